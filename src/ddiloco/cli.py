@@ -1,0 +1,50 @@
+"""The ``ddiloco`` command: one subcommand per task, each in :mod:`ddiloco.commands`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from ddiloco import __version__
+from ddiloco.commands import demo, plan
+from ddiloco.errors import DDiLoCoError
+
+COMMANDS = {
+    "demo": (
+        demo,
+        "run the core's demo: 4 learners, a straggler and a crash, merged by the syncer",
+    ),
+    "plan": (plan, "show a model's fragment plan: tensors, bytes, imbalance, bytes per step"),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="ddiloco",
+        description="Decoupled DiLoCo: independent learners, an asynchronous CPU syncer.",
+    )
+    parser.add_argument("--version", action="version", version=f"ddiloco {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (module, help_text) in COMMANDS.items():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        module.add_arguments(p)
+        p.set_defaults(run=module.run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 0
+    try:
+        return int(args.run(args))
+    except DDiLoCoError as exc:
+        print(f"ddiloco {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""One module per ``ddiloco`` subcommand: each adds its arguments and runs."""

@@ -1,0 +1,158 @@
+"""The token ledger: every token a learner trains on ends merged or wasted with a reason.
+
+A step's tokens move every fragment, so the ledger counts fragment-tokens: per (learner,
+fragment) the tokens trained since the learner's base, the part of them already reserved by
+an answer in flight, and the outcome of each answer. The totals balance per fragment:
+``trained == merged + sum(wasted) + pending``, and tokens are reported as fragment-tokens / P,
+so ``tokens_merged`` reads as "tokens whose effect reached the global model".
+This is how goodput is computed honestly; it is pure bookkeeping, no tensors, no I/O.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+from ddiloco.errors import ConfigError, require
+
+# Reasons a token can be wasted. Runtimes may add their own (a string), but these are the
+# ones the core and both runtimes produce.
+STALE = "stale"  # answer dropped: base older than max_staleness
+BASE_ALREADY_MERGED = "base_already_merged"  # answer would re-apply merged progress
+INVALID = "invalid"  # answer refused: impossible round or base
+OVERWRITTEN = "overwritten"  # progress replaced by a merged fragment before it was pushed
+CRASH = "crash"  # trained, not yet pushed, when the learner died
+LOST_IN_FLIGHT = "lost_in_flight"  # pushed but never arrived (learner or link died mid-push)
+UNSYNCED_AT_END = "unsynced_at_end"  # still in the learner when the run ended
+IN_FLIGHT_AT_END = "in_flight_at_end"  # pushed, not merged, when the run ended
+
+
+@dataclass
+class _Answer:
+    learner: int
+    fragment: int
+    tokens: int  # fragment-tokens this answer carries beyond earlier answers on the same base
+
+
+class TokenLedger:
+    """Fragment-token accounting for one run."""
+
+    def __init__(self, num_fragments: int) -> None:
+        require(num_fragments >= 1, "num_fragments", num_fragments, "must be >= 1")
+        self.num_fragments = num_fragments
+        self._since_base: dict[tuple[int, int], int] = defaultdict(int)
+        self._reserved: dict[tuple[int, int], int] = defaultdict(int)
+        self._answers: dict[object, _Answer] = {}
+        self.trained_tokens = 0
+        self.trained_by_learner: dict[int, int] = defaultdict(int)
+        self.merged = [0] * num_fragments
+        self.merged_weight = 0.0
+        self.wasted: dict[str, list[int]] = {}
+
+    # -- learner side -----------------------------------------------------------------------
+    def trained(self, learner: int, tokens: int) -> None:
+        """The learner finished a step on ``tokens`` tokens."""
+        require(tokens >= 0, "tokens", tokens, "must be >= 0")
+        self.trained_tokens += tokens
+        self.trained_by_learner[learner] += tokens
+        for p in range(self.num_fragments):
+            self._since_base[(learner, p)] += tokens
+
+    def answered(self, learner: int, fragment: int, key: object, c_tokens: int) -> int:
+        """The learner snapshotted ``fragment`` with ``c_tokens`` tokens since its base.
+        Returns the tokens this answer adds beyond earlier answers on the same base."""
+        self._check_fragment(fragment)
+        since = self._since_base[(learner, fragment)]
+        if not 0 <= c_tokens <= since:
+            raise ConfigError("c_tokens", c_tokens, f"learner {learner} trained {since} since base")
+        if key in self._answers:
+            raise ConfigError("key", key, "answer already recorded")
+        new = c_tokens - self._reserved[(learner, fragment)]
+        require(new >= 0, "c_tokens", c_tokens, "lower than an earlier answer on the same base")
+        self._reserved[(learner, fragment)] = c_tokens
+        self._answers[key] = _Answer(learner, fragment, new)
+        return new
+
+    def rebased(self, learner: int, fragment: int) -> None:
+        """A merged fragment overwrote the learner's copy: unpushed progress is lost."""
+        self._check_fragment(fragment)
+        lost = self._since_base[(learner, fragment)] - self._reserved[(learner, fragment)]
+        self._waste(OVERWRITTEN, fragment, lost)
+        self._since_base[(learner, fragment)] = 0
+        self._reserved[(learner, fragment)] = 0
+
+    def crashed(self, learner: int) -> None:
+        """The learner died: everything not yet pushed is lost (answers in flight stay open)."""
+        for p in range(self.num_fragments):
+            self._waste(CRASH, p, self._since_base[(learner, p)] - self._reserved[(learner, p)])
+            self._since_base[(learner, p)] = 0
+            self._reserved[(learner, p)] = 0
+
+    # -- syncer side ------------------------------------------------------------------------
+    def merged_answer(self, key: object, weight: float) -> None:
+        """The answer was merged with ``weight``."""
+        answer = self._answers.pop(self._known(key))
+        self.merged[answer.fragment] += answer.tokens
+        self.merged_weight += weight
+
+    def wasted_answer(self, key: object, reason: str) -> None:
+        """The answer was dropped (or lost) for ``reason``."""
+        answer = self._answers.pop(self._known(key))
+        self._waste(reason, answer.fragment, answer.tokens)
+
+    def superseded(self, old: object, new: object) -> None:
+        """A newer answer on the same base replaced ``old``: its tokens ride with ``new``."""
+        answer = self._answers.pop(self._known(old))
+        self._answers[self._known(new)].tokens += answer.tokens
+
+    def close(self) -> None:
+        """End of run: whatever is still in learners or in flight is wasted, with its reason."""
+        for key in list(self._answers):
+            self.wasted_answer(key, IN_FLIGHT_AT_END)
+        for (learner, p), since in list(self._since_base.items()):
+            self._waste(UNSYNCED_AT_END, p, since - self._reserved[(learner, p)])
+            self._since_base[(learner, p)] = 0
+            self._reserved[(learner, p)] = 0
+
+    # -- totals -----------------------------------------------------------------------------
+    def pending(self) -> list[int]:
+        """Per fragment: fragment-tokens not yet merged or wasted."""
+        out = [0] * self.num_fragments
+        for (learner, p), since in self._since_base.items():
+            out[p] += since - self._reserved.get((learner, p), 0)
+        for answer in self._answers.values():
+            out[answer.fragment] += answer.tokens
+        return out
+
+    def balanced(self) -> bool:
+        """True when, for every fragment, trained == merged + wasted + pending."""
+        pending = self.pending()
+        for p in range(self.num_fragments):
+            wasted = sum(per_fragment[p] for per_fragment in self.wasted.values())
+            if self.trained_tokens != self.merged[p] + wasted + pending[p]:
+                return False
+        return True
+
+    def summary(self) -> dict[str, object]:
+        """Tokens (fragment-tokens / P) merged, wasted by reason and pending."""
+        scale = 1.0 / self.num_fragments
+        return {
+            "tokens": self.trained_tokens,
+            "tokens_merged": sum(self.merged) * scale,
+            "tokens_wasted": {r: sum(v) * scale for r, v in sorted(self.wasted.items())},
+            "tokens_pending": sum(self.pending()) * scale,
+            "merged_weight": self.merged_weight,
+            "balanced": self.balanced(),
+        }
+
+    def _waste(self, reason: str, fragment: int, tokens: int) -> None:
+        if tokens:
+            self.wasted.setdefault(reason, [0] * self.num_fragments)[fragment] += tokens
+
+    def _known(self, key: object) -> object:
+        if key not in self._answers:
+            raise ConfigError("key", key, "no such answer in flight")
+        return key
+
+    def _check_fragment(self, fragment: int) -> None:
+        require(0 <= fragment < self.num_fragments, "fragment", fragment, "out of range")

@@ -1,0 +1,190 @@
+"""Outer optimizers: apply a merged outer gradient to one fragment's global parameters.
+
+One optimizer instance per fragment, state in fp32 on the syncer whatever the wire dtype.
+The outer gradient is Delta = Theta_base - theta_learner (so a step *subtracts* it). The
+state is plain tensors and ints, saved and restored with ``state_dict`` so a syncer can be
+killed and restarted without losing momentum.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from ddiloco.errors import ConfigError, require
+
+OUTER_OPTIMIZERS = ("nesterov", "sgd", "delayed_nesterov")
+
+
+@dataclass(frozen=True)
+class OuterConfig:
+    """Outer-optimizer settings. Defaults are the brief's RDA setting (eta 0.5, mu 0.9)."""
+
+    name: str = "nesterov"
+    lr: float = 0.5
+    momentum: float = 0.9
+    delay: int = 1  # delayed_nesterov: momentum refresh every ``delay`` outer steps
+    interim_scale: float | None = None  # delayed_nesterov: c, default 1/delay
+
+    def __post_init__(self) -> None:
+        require(
+            self.name in OUTER_OPTIMIZERS,
+            "outer.name",
+            self.name,
+            f"unknown outer optimizer; known: {', '.join(OUTER_OPTIMIZERS)}",
+        )
+        require(self.lr > 0.0, "outer.lr", self.lr, "must be > 0")
+        require(0.0 <= self.momentum < 1.0, "outer.momentum", self.momentum, "must be in [0, 1)")
+        require(self.delay >= 1, "outer.delay", self.delay, "must be >= 1")
+        if self.interim_scale is not None:
+            require(
+                0.0 <= self.interim_scale <= 1.0,
+                "outer.interim_scale",
+                self.interim_scale,
+                "must be in [0, 1]",
+            )
+
+
+class OuterOptimizer(Protocol):
+    """What the syncer needs from an outer optimizer for one fragment.
+
+    ``step`` consumes ``grads``: it may use them as scratch space (the syncer hands over its
+    merge workspace, so the step needs no fresh allocation).
+    """
+
+    def step(self, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> None: ...
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+def _check(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> None:
+    if len(params) != len(grads):
+        raise ConfigError("grads", len(grads), f"expected one per parameter ({len(params)})")
+    for i, (p, g) in enumerate(zip(params, grads, strict=True)):
+        if p.shape != g.shape:
+            raise ConfigError(f"grads[{i}].shape", tuple(g.shape), f"expected {tuple(p.shape)}")
+        if p.dtype != torch.float32:
+            raise ConfigError(f"params[{i}].dtype", p.dtype, "global parameters must be float32")
+
+
+class PlainSGD:
+    """Theta <- Theta - lr * Delta. With lr = 1 this is plain model averaging."""
+
+    def __init__(self, lr: float) -> None:
+        self.lr = lr
+        self.steps = 0
+
+    @torch.no_grad()
+    def step(self, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> None:
+        _check(params, grads)
+        for p, g in zip(params, grads, strict=True):
+            p.add_(g, alpha=-self.lr)
+        self.steps += 1
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"steps": self.steps}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.steps = int(state["steps"])
+
+
+class NesterovSGD:
+    """SGD with Nesterov momentum, identical to ``torch.optim.SGD(nesterov=True)``.
+
+    buf <- mu * buf + Delta (buf = Delta on the first step); Theta <- Theta - lr (Delta + mu buf).
+    """
+
+    def __init__(self, lr: float, momentum: float) -> None:
+        self.lr = lr
+        self.momentum = momentum
+        self.buffers: list[torch.Tensor] | None = None
+        self.steps = 0
+
+    @torch.no_grad()
+    def step(self, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> None:
+        _check(params, grads)
+        if self.buffers is None:
+            self.buffers = [g.to(torch.float32, copy=True) for g in grads]
+        else:
+            for buf, g in zip(self.buffers, grads, strict=True):
+                buf.mul_(self.momentum).add_(g)
+        for p, g, buf in zip(params, grads, self.buffers, strict=True):
+            p.add_(g.add_(buf, alpha=self.momentum), alpha=-self.lr)  # as torch's SGD, in place
+        self.steps += 1
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"steps": self.steps, "buffers": self.buffers}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.steps = int(state["steps"])
+        buffers = state["buffers"]
+        self.buffers = _copy(buffers)
+
+
+class DelayedNesterov:
+    """Delayed Nesterov (Liu et al. 2024, asynchronous Local-SGD).
+
+    Asynchronous outer updates arrive one learner at a time; refreshing momentum on every one
+    of them makes the momentum run away. Here every outer gradient is applied at once without
+    momentum, scaled by c, and the momentum buffer is refreshed only every ``delay`` updates,
+    with the mean of the gradients buffered since the last refresh:
+    ``buf <- mu buf + mean(Delta); Theta <- Theta - lr (c Delta + mu buf)`` on the N-th update,
+    ``Theta <- Theta - lr c Delta`` on the others. With delay 1 and c = 1 it is exactly
+    Nesterov.
+    """
+
+    def __init__(self, lr: float, momentum: float, delay: int, interim_scale: float) -> None:
+        self.lr = lr
+        self.momentum = momentum
+        self.delay = delay
+        self.scale = interim_scale
+        self.buffers: list[torch.Tensor] | None = None
+        self.pending: list[torch.Tensor] | None = None
+        self.steps = 0
+
+    @torch.no_grad()
+    def step(self, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> None:
+        _check(params, grads)
+        if self.pending is None:
+            self.pending = [torch.zeros_like(p) for p in params]
+        for acc, g in zip(self.pending, grads, strict=True):
+            acc.add_(g)
+        self.steps += 1
+        for p, g in zip(params, grads, strict=True):
+            p.add_(g, alpha=-self.lr * self.scale)
+        if self.steps % self.delay != 0:
+            return
+        if self.buffers is None:
+            self.buffers = [torch.zeros_like(p) for p in params]
+        for p, buf, acc in zip(params, self.buffers, self.pending, strict=True):
+            buf.mul_(self.momentum).add_(acc, alpha=1.0 / self.delay)
+            p.add_(buf, alpha=-self.lr * self.momentum)
+            acc.zero_()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"steps": self.steps, "buffers": self.buffers, "pending": self.pending}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.steps = int(state["steps"])
+        self.buffers = _copy(state["buffers"])
+        self.pending = _copy(state["pending"])
+
+
+def _copy(tensors: Sequence[torch.Tensor] | None) -> list[torch.Tensor] | None:
+    """Restored state never aliases the caller's tensors."""
+    return None if tensors is None else [t.to(torch.float32, copy=True) for t in tensors]
+
+
+def make_outer_optimizer(config: OuterConfig) -> OuterOptimizer:
+    """Build one fragment's outer optimizer from its config."""
+    if config.name == "sgd":
+        return PlainSGD(config.lr)
+    if config.name == "nesterov":
+        return NesterovSGD(config.lr, config.momentum)
+    scale = config.interim_scale if config.interim_scale is not None else 1.0 / config.delay
+    return DelayedNesterov(config.lr, config.momentum, config.delay, scale)

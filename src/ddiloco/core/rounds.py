@@ -1,0 +1,316 @@
+"""The syncer's round policy: when a fragment's round opens, which answers count, when it closes.
+
+Pure bookkeeping over metadata (no tensors, no I/O): the runtime reports progress, answers and
+the passing of time (``now`` is always an argument), and the policy says whom to ask, what to
+drop and which rounds are ready to merge. The syncer's clock drives the schedule: the global
+step is the progress of the K-th fastest live learner, and a round for fragment p opens when it
+reaches a step t with t mod H == t_p (a per-learner schedule lets a slow learner drift out of
+phase until every answer it sends is stale).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+
+from ddiloco.core.grace import Ema, GraceConfig, grace_window
+from ddiloco.errors import ConfigError, require
+
+
+@dataclass(frozen=True)
+class RoundConfig:
+    """Quorum, staleness and overlap settings of the syncer."""
+
+    quorum: int = 1  # K: distinct learners needed before a round may close
+    max_staleness: int = 1  # accepted: current version - base version <= this
+    overlap: int = 2  # tau: steps a learner keeps computing while a fragment is in flight
+    grace: GraceConfig = field(default_factory=GraceConfig)
+
+    def __post_init__(self) -> None:
+        require(self.quorum >= 1, "quorum", self.quorum, "K must be >= 1")
+        require(self.max_staleness >= 0, "max_staleness", self.max_staleness, "must be >= 0")
+        require(self.overlap >= 0, "overlap", self.overlap, "tau must be >= 0")
+
+
+@dataclass(frozen=True)
+class AnswerMeta:
+    """What a learner's answer says about itself (the tensors travel separately)."""
+
+    learner: int
+    incarnation: int  # bumped on every (re)start, so ids from a previous life stay distinct
+    seq: int  # per incarnation, increasing
+    fragment: int
+    round_id: int
+    base_version: int
+    local_step: int
+    c_steps: int
+    c_tokens: int
+
+    @property
+    def key(self) -> tuple[int, int, int]:
+        return (self.learner, self.incarnation, self.seq)
+
+    def validate(self, num_fragments: int) -> None:
+        """Refuse impossible metadata with an error naming the field."""
+        require(0 <= self.fragment < num_fragments, "fragment", self.fragment, "out of range")
+        for name in ("learner", "incarnation", "seq", "round_id", "base_version"):
+            value = getattr(self, name)
+            require(value >= 0, name, value, "must be >= 0")
+        for name in ("local_step", "c_steps", "c_tokens"):
+            value = getattr(self, name)
+            require(value >= 0, name, value, "counters must be >= 0")
+
+
+class Verdict(Enum):
+    """What the policy did with an answer. Every non-accepted verdict is counted."""
+
+    ACCEPTED = "accepted"
+    WAITING = "waiting"  # no round open for its fragment: held for the next one
+    DUPLICATE = "duplicate"  # the same answer again (retransmission): ignored, no tokens
+    STALE = "stale"  # base too old: dropped, its tokens wasted
+    BASE_ALREADY_MERGED = "base_already_merged"  # would re-apply merged progress: dropped
+    INVALID = "invalid"  # base version or round from the future: dropped
+
+
+@dataclass
+class Round:
+    """One open round of one fragment."""
+
+    fragment: int
+    round_id: int
+    version: int  # the fragment's version while the round is open
+    opened_at: float
+    asked: set[int]
+    answers: dict[tuple[int, int, int], AnswerMeta] = field(default_factory=dict)
+    quorum_at: float | None = None
+    grace: float = 0.0
+
+    @property
+    def learners(self) -> set[int]:
+        return {a.learner for a in self.answers.values()}
+
+    @property
+    def deadline(self) -> float | None:
+        return None if self.quorum_at is None else self.quorum_at + self.grace
+
+
+@dataclass(frozen=True)
+class ClosedRound:
+    """A round ready to merge, with everything the metrics need."""
+
+    fragment: int
+    round_id: int
+    version: int
+    answers: tuple[AnswerMeta, ...]
+    opened_at: float
+    quorum_at: float
+    closed_at: float
+    grace: float
+    asked: int
+
+
+@dataclass(frozen=True)
+class Supersession:
+    """An older answer replaced by a newer one of the same learner life and base: the newer
+    delta already contains the older's progress, so the older's tokens ride with it."""
+
+    old: tuple[int, int, int]
+    new: tuple[int, int, int]
+
+
+@dataclass(frozen=True)
+class Dropped:
+    """An answer held for a later round that had gone stale by the time the round opened."""
+
+    answer: AnswerMeta
+    verdict: Verdict
+
+
+class RoundPolicy:
+    """Per-fragment rounds with versions, quorum K, the adaptive grace window and staleness."""
+
+    def __init__(
+        self,
+        num_fragments: int,
+        due: Callable[[int], Sequence[int]],
+        sync_every: int,
+        config: RoundConfig,
+    ) -> None:
+        require(num_fragments >= 1, "num_fragments", num_fragments, "must be >= 1")
+        self.num_fragments = num_fragments
+        self.due = due
+        self.sync_every = sync_every
+        self.config = config
+        self.versions = [0] * num_fragments
+        self.next_round_id = [0] * num_fragments
+        self.open: dict[int, Round] = {}
+        self.waiting: dict[int, dict[tuple[int, int, int], AnswerMeta]] = {}
+        self.progress: dict[int, int] = {}  # live learner -> latest local step
+        self.global_step = 0
+        self.seen: set[tuple[int, int, int]] = set()
+        self.merged_base: dict[tuple[int, int, int], int] = {}  # (learner, life, p) -> base
+        self.step_time = Ema(config.grace.smoothing)
+        self.sync_time = Ema(config.grace.smoothing)
+        self.events: list[Supersession | Dropped] = []
+
+    # -- membership and progress ------------------------------------------------------------
+    def join(self, learner: int, step: int = 0) -> None:
+        """A learner is live from now on (first start, restart or scavenged join)."""
+        require(step >= 0, "step", step, "must be >= 0")
+        self.progress[learner] = step
+
+    def leave(self, learner: int, now: float) -> None:
+        """A learner is gone (crash detected or clean leave); it is no longer waited for."""
+        self.progress.pop(learner, None)
+        for rnd in self.open.values():
+            rnd.asked.discard(learner)
+
+    def on_progress(
+        self, learner: int, step: int, now: float, step_seconds: float | None = None
+    ) -> list[Round]:
+        """Record a learner's progress; return the rounds this opens (ask their ``asked``)."""
+        if learner not in self.progress:
+            raise ConfigError("learner", learner, "progress from a learner that has not joined")
+        require(step >= 0, "step", step, "must be >= 0")
+        if step_seconds is not None:
+            self.step_time.update(step_seconds)
+        self.progress[learner] = max(self.progress[learner], step)
+        target = self._kth_fastest()
+        opened: list[Round] = []
+        if target <= self.global_step:
+            return opened
+        crossed = range(self.global_step + 1, target + 1)
+        self.global_step = target
+        due: list[int] = []
+        for t in crossed[-self.sync_every :]:  # one pass over H steps covers every fragment
+            due.extend(p for p in self.due(t) if p not in due)
+        for p in due:
+            if p in self.open:  # still waiting for its quorum: ask again, keep the round
+                self.open[p].asked |= set(self.progress)
+                opened.append(self.open[p])
+            else:
+                opened.append(self._open(p, now))
+        return opened
+
+    def _kth_fastest(self) -> int:
+        steps = sorted(self.progress.values(), reverse=True)
+        if len(steps) < self.config.quorum:
+            return self.global_step  # fewer live learners than K: the clock stands still
+        return steps[self.config.quorum - 1]
+
+    def _open(self, p: int, now: float) -> Round:
+        rnd = Round(p, self.next_round_id[p], self.versions[p], now, set(self.progress))
+        self.next_round_id[p] += 1
+        self.open[p] = rnd
+        for answer in self.waiting.pop(p, {}).values():
+            verdict = self._freshness(answer)  # a held answer may have aged since it arrived
+            if verdict is Verdict.ACCEPTED:
+                self._admit(rnd, answer, now)
+            else:
+                self.events.append(Dropped(answer, verdict))
+        return rnd
+
+    # -- answers ----------------------------------------------------------------------------
+    def on_answer(self, answer: AnswerMeta, now: float) -> Verdict:
+        """Judge one answer that has fully arrived."""
+        answer.validate(self.num_fragments)
+        if answer.key in self.seen:
+            return Verdict.DUPLICATE
+        p = answer.fragment
+        if answer.base_version > self.versions[p] or answer.round_id >= self.next_round_id[p]:
+            self.seen.add(answer.key)
+            return Verdict.INVALID
+        self.seen.add(answer.key)
+        verdict = self._freshness(answer)
+        if verdict is not Verdict.ACCEPTED:
+            return verdict
+        rnd = self.open.get(p)
+        if rnd is None:
+            self.waiting.setdefault(p, {})[answer.key] = answer
+            return Verdict.WAITING
+        return self._admit(rnd, answer, now)
+
+    def _freshness(self, answer: AnswerMeta) -> Verdict:
+        if self.versions[answer.fragment] - answer.base_version > self.config.max_staleness:
+            return Verdict.STALE
+        life = (answer.learner, answer.incarnation, answer.fragment)
+        if self.merged_base.get(life, -1) >= answer.base_version:
+            return Verdict.BASE_ALREADY_MERGED
+        return Verdict.ACCEPTED
+
+    def _admit(self, rnd: Round, answer: AnswerMeta, now: float) -> Verdict:
+        for key, other in list(rnd.answers.items()):
+            same_life = (other.learner, other.incarnation, other.base_version) == (
+                answer.learner,
+                answer.incarnation,
+                answer.base_version,
+            )
+            if same_life:
+                older, newer = sorted((other, answer), key=lambda a: (a.local_step, a.seq))
+                self.events.append(Supersession(older.key, newer.key))
+                if older is answer:
+                    return Verdict.ACCEPTED  # its tokens ride with the newer answer
+                del rnd.answers[key]
+        rnd.answers[answer.key] = answer
+        if rnd.quorum_at is None and len(rnd.learners) >= self.config.quorum:
+            rnd.quorum_at = now
+            rnd.grace = grace_window(
+                self.config.grace,
+                overlap=self.config.overlap,
+                step_seconds=self.step_time.value,
+                quorum_seconds=now - rnd.opened_at,
+                sync_seconds=self.sync_time.value,
+            )
+        return Verdict.ACCEPTED
+
+    def take_events(self) -> list[Supersession | Dropped]:
+        """Supersessions and late drops since the last call, for the ledger and the metrics."""
+        out, self.events = self.events, []
+        return out
+
+    # -- closing ----------------------------------------------------------------------------
+    def ready(self, now: float) -> list[ClosedRound]:
+        """Close and return the rounds whose quorum is met and whose grace is over (or whom
+        every asked live learner has answered)."""
+        closed = []
+        for p in sorted(self.open):
+            rnd = self.open[p]
+            deadline = rnd.deadline
+            if deadline is None:
+                continue
+            everyone = rnd.asked <= rnd.learners
+            if now >= deadline or everyone:
+                del self.open[p]
+                closed.append(
+                    ClosedRound(
+                        p,
+                        rnd.round_id,
+                        rnd.version,
+                        tuple(rnd.answers[k] for k in sorted(rnd.answers)),
+                        rnd.opened_at,
+                        rnd.quorum_at if rnd.quorum_at is not None else now,
+                        now,
+                        rnd.grace,
+                        len(rnd.asked),
+                    )
+                )
+        return closed
+
+    def next_deadline(self) -> float | None:
+        """The earliest time at which ``ready`` may close a round; None if none is pending."""
+        deadlines = [d for r in self.open.values() if (d := r.deadline) is not None]
+        return min(deadlines) if deadlines else None
+
+    def on_merged(self, closed: ClosedRound, sync_seconds: float | None = None) -> int:
+        """The runtime merged a closed round: bump the fragment's version and return it."""
+        p = closed.fragment
+        if closed.version != self.versions[p]:
+            raise ConfigError("version", closed.version, f"fragment {p} is at {self.versions[p]}")
+        for a in closed.answers:
+            life = (a.learner, a.incarnation, p)
+            self.merged_base[life] = max(self.merged_base.get(life, -1), a.base_version)
+        if sync_seconds is not None:
+            self.sync_time.update(sync_seconds)
+        self.versions[p] += 1
+        return self.versions[p]

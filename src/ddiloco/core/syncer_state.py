@@ -1,0 +1,204 @@
+"""What the syncer knows and does, without any I/O: global fragments, rounds, merges.
+
+Both runtimes drive this one object: they feed it progress reports, decoded answers and the
+time, and send out what it returns (asks and merged fragments). It holds the global fragments
+Theta_p in fp32, one outer optimizer per fragment, the round policy and (optionally) the
+syncer-side half of the token ledger.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from ddiloco.core.ledger import TokenLedger
+from ddiloco.core.merge import MERGE_RULES, merge, tensor_norms, token_weight
+from ddiloco.core.outer import OuterConfig, OuterOptimizer, make_outer_optimizer
+from ddiloco.core.plans import FragmentPlan, gather
+from ddiloco.core.rounds import (
+    AnswerMeta,
+    ClosedRound,
+    Dropped,
+    Round,
+    RoundConfig,
+    RoundPolicy,
+    Supersession,
+    Verdict,
+)
+from ddiloco.errors import ConfigError, require
+
+
+@dataclass(frozen=True)
+class SyncerConfig:
+    """The syncer's algorithm settings."""
+
+    rounds: RoundConfig = field(default_factory=RoundConfig)
+    merge_rule: str = "rda"
+    outer: OuterConfig = field(default_factory=OuterConfig)
+
+    def __post_init__(self) -> None:
+        require(
+            self.merge_rule in MERGE_RULES,
+            "merge_rule",
+            self.merge_rule,
+            f"known: {', '.join(MERGE_RULES)}",
+        )
+
+
+@dataclass(frozen=True)
+class MergeResult:
+    """A merged fragment to broadcast, and what went into it."""
+
+    fragment: int
+    version: int
+    tensors: list[torch.Tensor]  # the new global fragment (the syncer's own tensors: copy to send)
+    round: ClosedRound
+    weights: dict[int, float]  # learner -> summed weight in this merge
+    update_norm: float  # L2 norm of the merged outer gradient
+
+
+class SyncerState:
+    """The syncer's pure state machine."""
+
+    def __init__(
+        self,
+        plan: FragmentPlan,
+        initial: Mapping[str, torch.Tensor],
+        config: SyncerConfig,
+        *,
+        plain_tensors: Collection[str] = (),
+        ledger: TokenLedger | None = None,
+    ) -> None:
+        self.plan = plan
+        self.config = config
+        self.policy = RoundPolicy(plan.num_fragments, plan.due, plan.sync_every, config.rounds)
+        with torch.no_grad():
+            self.fragments = [
+                [t.detach().to("cpu", torch.float32, copy=True) for t in gather(plan, p, initial)]
+                for p in range(plan.num_fragments)
+            ]
+        self.plain_mask = [
+            [s.name in plain_tensors for s in frag.slices] for frag in plan.fragments
+        ]
+        self.outer: list[OuterOptimizer] = [
+            make_outer_optimizer(config.outer) for _ in range(plan.num_fragments)
+        ]
+        self.ledger = ledger
+        self.updates: dict[tuple[int, int, int], list[torch.Tensor]] = {}
+        self.norms: dict[tuple[int, int, int], list[float]] = {}  # computed on arrival
+        largest = max(sum(t.numel() for t in frag) for frag in self.fragments)
+        self._workspace = torch.empty(largest, dtype=torch.float32)  # reused by every merge
+        self.counts: dict[str, int] = {}
+
+    @property
+    def versions(self) -> list[int]:
+        return self.policy.versions
+
+    # -- inputs -----------------------------------------------------------------------------
+    def on_progress(
+        self, learner: int, step: int, now: float, step_seconds: float | None = None
+    ) -> list[Round]:
+        """A learner's progress report; returns the rounds to ask learners for."""
+        opened = self.policy.on_progress(learner, step, now, step_seconds)
+        self._apply_events()  # held answers that joined (or aged out of) the new rounds
+        return opened
+
+    def on_answer(self, meta: AnswerMeta, delta: Sequence[torch.Tensor], now: float) -> Verdict:
+        """A learner's decoded answer: ``delta`` = theta_learner - Theta_base, per slice."""
+        meta.validate(self.plan.num_fragments)
+        self._check_delta(meta.fragment, delta)
+        verdict = self.policy.on_answer(meta, now)
+        self._count(verdict.value)
+        if verdict in (Verdict.ACCEPTED, Verdict.WAITING):
+            self.updates[meta.key] = list(delta)
+            self.norms[meta.key] = tensor_norms(delta)  # while the data is hot in cache
+        elif verdict is not Verdict.DUPLICATE and self.ledger is not None:
+            self.ledger.wasted_answer(meta.key, verdict.value)
+        self._apply_events()
+        return verdict
+
+    def _check_delta(self, p: int, delta: Sequence[torch.Tensor]) -> None:
+        expected = self.fragments[p]
+        if len(delta) != len(expected):
+            raise ConfigError("delta", len(delta), f"fragment {p} has {len(expected)} tensors")
+        for i, (d, e) in enumerate(zip(delta, expected, strict=True)):
+            if d.shape != e.shape:
+                raise ConfigError(f"delta[{i}].shape", tuple(d.shape), f"expected {tuple(e.shape)}")
+            if not d.is_floating_point():
+                raise ConfigError(f"delta[{i}].dtype", d.dtype, "expected a float tensor")
+            if not bool(torch.isfinite(d).all()):
+                raise ConfigError(f"delta[{i}]", "non-finite", "NaN/Inf update refused")
+
+    def _apply_events(self) -> None:
+        for event in self.policy.take_events():
+            if isinstance(event, Supersession):
+                self.updates.pop(event.old, None)
+                self.norms.pop(event.old, None)
+                self._count("superseded")
+                if self.ledger is not None:
+                    self.ledger.superseded(event.old, event.new)
+            elif isinstance(event, Dropped):
+                self.updates.pop(event.answer.key, None)
+                self.norms.pop(event.answer.key, None)
+                self._count(event.verdict.value)
+                if self.ledger is not None:
+                    self.ledger.wasted_answer(event.answer.key, event.verdict.value)
+
+    # -- merging ----------------------------------------------------------------------------
+    def poll(self, now: float) -> list[MergeResult]:
+        """Merge every round that is ready at ``now``; return the fragments to broadcast."""
+        results = []
+        for closed in self.policy.ready(now):
+            results.append(self._merge(closed))
+        self._apply_events()
+        return results
+
+    @torch.no_grad()
+    def _merge(self, closed: ClosedRound) -> MergeResult:
+        p = closed.fragment
+        weights = [token_weight(a.c_tokens, a.c_steps) for a in closed.answers]
+        deltas = [self.updates.pop(a.key) for a in closed.answers]
+        norms = [self.norms.pop(a.key) for a in closed.answers]
+        per_learner: dict[int, float] = {}
+        for a, w in zip(closed.answers, weights, strict=True):
+            per_learner[a.learner] = per_learner.get(a.learner, 0.0) + w
+        update_norm = 0.0
+        if sum(weights) > 0.0:
+            merged = merge(
+                deltas,
+                weights,
+                self.config.merge_rule,
+                self.plain_mask[p],
+                norms=norms,
+                out=self._views(p),
+                scale=-1.0,  # outer gradient = Theta_base - theta = -delta
+            )
+            update_norm = math.sqrt(sum(n * n for n in tensor_norms(merged)))
+            self.outer[p].step(self.fragments[p], merged)
+        version = self.policy.on_merged(closed)
+        for a, w in zip(closed.answers, weights, strict=True):
+            if self.ledger is not None:
+                self.ledger.merged_answer(a.key, w)
+        self._count("merged_rounds")
+        return MergeResult(p, version, self.fragments[p], closed, per_learner, update_norm)
+
+    def _views(self, p: int) -> list[torch.Tensor]:
+        """Fragment p's shapes laid over the shared merge workspace."""
+        views, offset = [], 0
+        for t in self.fragments[p]:
+            views.append(self._workspace[offset : offset + t.numel()].view(t.shape))
+            offset += t.numel()
+        return views
+
+    def record_sync_time(self, seconds: float) -> None:
+        """Merge + broadcast duration measured by the runtime, for the grace window."""
+        self.policy.sync_time.update(seconds)
+
+    def next_deadline(self) -> float | None:
+        return self.policy.next_deadline()
+
+    def _count(self, name: str) -> None:
+        self.counts[name] = self.counts.get(name, 0) + 1

@@ -1,0 +1,108 @@
+"""Outer optimizers against torch's own SGD, and their state round trip."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ddiloco.core.outer import OuterConfig, make_outer_optimizer
+from ddiloco.errors import ConfigError
+
+
+def _grads(steps: int, shapes: list[tuple[int, ...]], seed: int) -> list[list[torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [[torch.randn(s, generator=g) for s in shapes] for _ in range(steps)]
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    lr=st.floats(0.05, 1.5),
+    momentum=st.floats(0.0, 0.95),
+    steps=st.integers(1, 8),
+    seed=st.integers(0, 10_000),
+)
+def test_nesterov_matches_torch_sgd(lr, momentum, steps, seed):
+    shapes = [(5, 3), (7,)]
+    grads = _grads(steps, shapes, seed)
+    ours = [torch.randn(s, generator=torch.Generator().manual_seed(seed + 1)) for s in shapes]
+    theirs = [p.clone().requires_grad_(True) for p in ours]
+    reference = torch.optim.SGD(theirs, lr=lr, momentum=momentum, nesterov=momentum > 0)
+    opt = make_outer_optimizer(OuterConfig("nesterov", lr=lr, momentum=momentum))
+    for g in grads:
+        for p, gi in zip(theirs, g, strict=True):
+            p.grad = gi.clone()
+        opt.step(ours, g)
+        reference.step()
+    for a, b in zip(ours, theirs, strict=True):
+        torch.testing.assert_close(a, b.detach(), rtol=0, atol=0)
+
+
+def test_plain_sgd_with_lr_one_is_averaging():
+    theta = [torch.tensor([1.0, 2.0])]
+    make_outer_optimizer(OuterConfig("sgd", lr=1.0)).step(theta, [torch.tensor([0.5, -1.0])])
+    torch.testing.assert_close(theta[0], torch.tensor([0.5, 3.0]))
+
+
+def test_delayed_nesterov_with_delay_one_is_nesterov():
+    grads = _grads(6, [(4, 4)], seed=3)
+    a = [torch.zeros(4, 4)]
+    b = [torch.zeros(4, 4)]
+    dn = make_outer_optimizer(OuterConfig("delayed_nesterov", lr=0.7, momentum=0.9, delay=1))
+    nest = make_outer_optimizer(OuterConfig("nesterov", lr=0.7, momentum=0.9))
+    for g in grads:
+        dn.step(a, [x.clone() for x in g])
+        nest.step(b, [x.clone() for x in g])
+    torch.testing.assert_close(a[0], b[0], rtol=1e-5, atol=1e-6)
+
+
+def test_delayed_nesterov_refreshes_momentum_every_delay_steps():
+    opt = make_outer_optimizer(OuterConfig("delayed_nesterov", lr=1.0, momentum=0.5, delay=2))
+    theta = [torch.zeros(1)]
+    opt.step(theta, [torch.ones(1)])  # interim: -c*g with c = 1/2
+    torch.testing.assert_close(theta[0], torch.tensor([-0.5]))
+    opt.step(theta, [torch.ones(1)])  # refresh: buf = mean(g) = 1; -c*g - mu*buf
+    torch.testing.assert_close(theta[0], torch.tensor([-0.5 - 0.5 - 0.5]))
+
+
+@pytest.mark.parametrize("name", ["nesterov", "sgd", "delayed_nesterov"])
+def test_state_dict_round_trip_continues_identically(name):
+    cfg = OuterConfig(name, lr=0.5, momentum=0.9, delay=3)
+    grads = _grads(7, [(3, 2)], seed=5)
+    a, b = [torch.zeros(3, 2)], [torch.zeros(3, 2)]
+    first, second = make_outer_optimizer(cfg), make_outer_optimizer(cfg)
+    for g in grads[:4]:
+        first.step(a, [x.clone() for x in g])
+        second.step(b, [x.clone() for x in g])
+    restored = make_outer_optimizer(cfg)
+    restored.load_state_dict(second.state_dict())
+    for g in grads[4:]:
+        first.step(a, [x.clone() for x in g])
+        restored.step(b, [x.clone() for x in g])
+    torch.testing.assert_close(a[0], b[0], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    "kwargs,field",
+    [
+        ({"name": "adam"}, "outer.name"),
+        ({"lr": 0.0}, "outer.lr"),
+        ({"momentum": 1.0}, "outer.momentum"),
+        ({"delay": 0}, "outer.delay"),
+        ({"interim_scale": 2.0}, "outer.interim_scale"),
+    ],
+)
+def test_bad_config_names_the_field(kwargs, field):
+    with pytest.raises(ConfigError, match=field):
+        OuterConfig(**kwargs)
+
+
+def test_mismatched_shapes_and_dtypes_are_refused():
+    opt = make_outer_optimizer(OuterConfig())
+    with pytest.raises(ConfigError, match=r"grads\[0\].shape"):
+        opt.step([torch.zeros(3)], [torch.zeros(4)])
+    with pytest.raises(ConfigError, match="grads"):
+        opt.step([torch.zeros(3)], [])
+    with pytest.raises(ConfigError, match=r"params\[0\].dtype"):
+        opt.step([torch.zeros(3, dtype=torch.bfloat16)], [torch.zeros(3)])
