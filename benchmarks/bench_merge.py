@@ -89,13 +89,9 @@ def main() -> None:
         f"merge benchmark: M={args.learners}, fragment {nbytes / args.learners / 2**20:.0f} MiB "
         f"({len(deltas[0])} tensors of {args.tensor_mb} MiB), threads={torch.get_num_threads()}"
     )
-    print(
-        f"  plain streaming (acc += v_m) : {s * 1e3:8.1f} ms  {nbytes / s / 2**30:6.2f} GiB/s"
-    )
+    print(f"  plain streaming (acc += v_m) : {s * 1e3:8.1f} ms  {nbytes / s / 2**30:6.2f} GiB/s")
     print(f"  norms on arrival (all M)     : {n * 1e3:8.1f} ms  (off the critical path)")
-    print(
-        f"  round close: RDA + Nesterov  : {m * 1e3:8.1f} ms  {nbytes / m / 2**30:6.2f} GiB/s"
-    )
+    print(f"  round close: RDA + Nesterov  : {m * 1e3:8.1f} ms  {nbytes / m / 2**30:6.2f} GiB/s")
     verdict = "PASS" if ratio >= TARGET else "BELOW TARGET"
     print(f"  ratio streaming/round-close  : {ratio:8.2f}  (target >= {TARGET}: {verdict})")
     print(f"  ratio streaming/(norms+close): {s / (n + m):8.2f}  (all work, for reference)")

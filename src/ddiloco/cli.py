@@ -7,14 +7,11 @@ import sys
 from collections.abc import Sequence
 
 from ddiloco import __version__
-from ddiloco.commands import demo, plan
+from ddiloco.commands import plan, train
 from ddiloco.errors import DDiLoCoError
 
 COMMANDS = {
-    "demo": (
-        demo,
-        "run the core's demo: 4 learners, a straggler and a crash, merged by the syncer",
-    ),
+    "train": (train, "train with Decoupled DiLoCo and baselines (no arguments: the demo)"),
     "plan": (plan, "show a model's fragment plan: tensors, bytes, imbalance, bytes per step"),
 }
 

@@ -146,7 +146,8 @@ def test_late_answer_waits_for_the_next_round_and_ages_out():
     assert pol.on_answer(_answer(1, 1, base=1, seq=1), now=6.0) is Verdict.WAITING
     assert pol.on_answer(_answer(2, 1, base=1, seq=1), now=6.0) is Verdict.WAITING
     pol.on_progress(0, 1 + H, now=7.0)  # round 1 opens, held answers join it
-    assert pol.open[1].learners == {1, 2}
+    assert {a.learner for a in pol.open[1].answers.values()} == {1, 2}
+    assert pol.open[1].learners == set()  # late answers ride along but are no quorum
 
 
 def test_newer_answer_on_the_same_base_supersedes_the_older():

@@ -88,7 +88,11 @@ class Round:
 
     @property
     def learners(self) -> set[int]:
-        return {a.learner for a in self.answers.values()}
+        """Learners that answered *this* round. Late answers from an earlier round ride along
+        in the merge but do not count: counting them would meet the quorum the moment the
+        round opens, close it before the fresh answers arrive, and push those to the next
+        round, forever one round late."""
+        return {a.learner for a in self.answers.values() if a.round_id == self.round_id}
 
     @property
     def deadline(self) -> float | None:

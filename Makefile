@@ -1,0 +1,35 @@
+# One command per common task. `make test` is the README's test command and what CI runs.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+# The CPU wheel of torch 2.13.0 lies on disk on our build machines; elsewhere pip fetches it.
+FIND_LINKS := $(if $(wildcard /opt/wheels),--find-links /opt/wheels,)
+
+.PHONY: install demo test lint bench clean
+
+$(BIN)/ddiloco: pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q $(FIND_LINKS) torch==2.13.0
+	$(BIN)/pip install -q $(FIND_LINKS) -e '.[test]'
+	touch $@
+
+install: $(BIN)/ddiloco
+
+demo: install
+	$(BIN)/ddiloco train
+
+lint: install
+	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/ruff format --check src tests benchmarks
+	$(BIN)/mypy
+
+test: install lint
+	$(BIN)/pytest
+
+bench: install
+	$(BIN)/python benchmarks/bench_merge.py
+	$(BIN)/python benchmarks/bench_codec.py
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,77 @@
+"""Run directories: metrics as JSON lines, the summary, and live progress on the terminal."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any, TextIO
+
+
+class MetricsWriter:
+    """Appends one JSON object per line to ``metrics.jsonl``, tagged with the method."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._file = path.open("w", encoding="utf-8")
+        self.method = ""
+
+    def emit(self, record: dict[str, Any]) -> None:
+        self._file.write(json.dumps({"method": self.method, **record}, sort_keys=True) + "\n")
+
+    def close(self) -> None:
+        self._file.close()
+
+
+class Progress:
+    """Live one-line updates: method, virtual time, tokens, latest eval, learner states."""
+
+    def __init__(self, total_tokens: int, stream: TextIO = sys.stdout, quiet: bool = False) -> None:
+        self.total = total_tokens
+        self.stream = stream
+        self.quiet = quiet
+        self.started = time.monotonic()
+        self.learners: dict[int, str] = {}
+        self.rounds = 0
+        self.last_print = 0.0
+
+    def __call__(self, method: str, record: dict[str, Any]) -> None:
+        if method != getattr(self, "method", method):
+            self.learners.clear()
+            self.rounds = 0
+        self.method = method
+        kind = record["kind"]
+        if kind == "step":
+            self.learners[record["learner"]] = f"s{record['step']}"
+        elif kind == "chaos" and record["event"] == "crash":
+            self.learners[record["learner"]] = "DOWN"
+            self._line(
+                method,
+                record["t"],
+                f"learner {record['learner']} crashed (down {record['duration']:.0f}s)",
+            )
+        elif kind == "recovered":
+            src = "syncer" if record["peer"] is None else f"peer {record['peer']}"
+            self._line(method, record["t"], f"learner {record['learner']} recovered from {src}")
+        elif kind == "round":
+            self.rounds += 1
+        elif kind == "eval":
+            states = " ".join(f"{k}:{v}" for k, v in sorted(self.learners.items()))
+            pct = 100.0 * record["tokens"] / self.total
+            self._line(
+                method,
+                record["t"],
+                f"tokens {record['tokens']:>9,} ({pct:5.1f}%)  "
+                f"eval loss {record['loss']:.4f}  rounds {self.rounds:>5}  {states}",
+            )
+
+    def _line(self, method: str, t: float, text: str) -> None:
+        if self.quiet:
+            return
+        wall = time.monotonic() - self.started
+        print(f"[{wall:6.1f}s] {method:<14} t={t:8.1f}  {text}", file=self.stream, flush=True)
+
+
+def write_json(path: Path, data: Any) -> None:
+    path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")

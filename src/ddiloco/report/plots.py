@@ -1,0 +1,104 @@
+"""PNG plots of a run directory: eval loss against tokens and virtual time, a learner
+timeline with failures and recoveries, and bytes on the wire per virtual second."""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+
+
+def read_metrics(path: Path) -> list[dict[str, Any]]:
+    with path.open(encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def plot_run(run_dir: Path) -> list[Path]:
+    """Write every plot for one run directory; return their paths."""
+    records = read_metrics(run_dir / "metrics.jsonl")
+    return [
+        plot_eval(records, run_dir / "eval_loss.png"),
+        plot_timeline(records, run_dir / "timeline.png"),
+        plot_bytes(records, run_dir / "bytes.png"),
+    ]
+
+
+def plot_eval(records: Iterable[dict[str, Any]], out: Path, label_prefix: str = "") -> Path:
+    evals: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for r in records:
+        if r["kind"] == "eval":
+            evals[label_prefix + r["method"]].append(r)
+    fig, (ax_tokens, ax_time) = plt.subplots(1, 2, figsize=(11, 4))
+    for method, rows in sorted(evals.items()):
+        ax_tokens.plot(
+            [r["tokens"] for r in rows], [r["loss"] for r in rows], marker=".", label=method
+        )
+        ax_time.plot([r["t"] for r in rows], [r["loss"] for r in rows], marker=".", label=method)
+    ax_tokens.set(xlabel="tokens trained (all learners)", ylabel="eval loss (nats/token)")
+    ax_time.set(xlabel="virtual seconds", ylabel="eval loss (nats/token)")
+    for ax in (ax_tokens, ax_time):
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle("Eval loss of the global model")
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
+
+
+def plot_timeline(records: Iterable[dict[str, Any]], out: Path) -> Path:
+    """Each learner's steps as dots, crashes as red spans, recoveries as green marks."""
+    rows = [r for r in records if r["method"] == "decoupled"]
+    fig, ax = plt.subplots(figsize=(11, 3.5))
+    steps = defaultdict(list)
+    for r in rows:
+        if r["kind"] == "step":
+            steps[r["learner"]].append(r["t"])
+        elif r["kind"] == "chaos" and r["event"] == "crash":
+            ax.barh(
+                r["learner"], r["duration"], left=r["t"], color="tab:red", alpha=0.3, height=0.6
+            )
+        elif r["kind"] == "chaos" and r["event"] == "slow":
+            ax.barh(
+                r["learner"], r["duration"], left=r["t"], color="tab:orange", alpha=0.3, height=0.6
+            )
+        elif r["kind"] == "recovered":
+            ax.plot([r["t"]], [r["learner"]], marker="^", color="tab:green", markersize=9)
+    for learner, times in sorted(steps.items()):
+        ax.plot(times, [learner] * len(times), "|", color="tab:blue", markersize=6)
+    ax.set(
+        xlabel="virtual seconds",
+        ylabel="learner",
+        title="Learner timeline: steps (|), crash (red), slow (orange), recovered (^)",
+    )
+    ax.set_yticks(sorted(steps))
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
+
+
+def plot_bytes(records: Iterable[dict[str, Any]], out: Path, bucket: float = 10.0) -> Path:
+    """Syncer broadcast bytes per virtual second, in buckets (Decoupled run)."""
+    per_bucket: dict[int, float] = defaultdict(float)
+    for r in records:
+        if r["method"] == "decoupled" and r["kind"] == "round":
+            per_bucket[int(r["t"] // bucket)] += r["broadcast_bytes"] * max(r["asked"], 1)
+    fig, ax = plt.subplots(figsize=(11, 3))
+    keys = sorted(per_bucket)
+    ax.plot(
+        [k * bucket for k in keys], [per_bucket[k] / bucket for k in keys], drawstyle="steps-post"
+    )
+    ax.set(xlabel="virtual seconds", ylabel="bytes / s", title="Syncer -> learners bandwidth")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out

@@ -1,0 +1,63 @@
+"""Run configs: TOML files, --set overrides, and clear errors for typos and bad values."""
+
+from __future__ import annotations
+
+import pytest
+
+from ddiloco.config import RunConfig, load_config, to_toml
+from ddiloco.errors import ConfigError
+
+
+def test_defaults_are_the_demo():
+    cfg = load_config()
+    assert cfg.train.learners == 4 and cfg.runtime == "sim"
+    assert cfg.methods == ("decoupled", "data_parallel")
+
+
+def test_overrides_are_typed_toml_values():
+    cfg = load_config(
+        None, ["sync.quorum=2", "sync.codec=int4", "hardware.speed=[1, 1, 1.18, 1.18]"]
+    )
+    assert cfg.sync.quorum == 2 and cfg.sync.codec == "int4"
+    assert cfg.hardware.speed == (1.0, 1.0, 1.18, 1.18)
+
+
+def test_round_trip_through_toml(tmp_path):
+    cfg = load_config("configs/smoke.toml", ["seed=7"])
+    path = tmp_path / "c.toml"
+    path.write_text(to_toml(cfg))
+    assert load_config(path) == cfg
+
+
+@pytest.mark.parametrize(
+    "override,field",
+    [
+        ("sync.quorun=2", "sync.quorun"),
+        ("train.learners=0", "train.learners"),
+        ("sync.quorum=9", "sync.quorum"),
+        ("sync.codec=int3", "codec"),
+        ("sync.strategy=random", "sync.strategy"),
+        ("train.tokens=lots", "train.tokens"),
+        ("hardware.speed=[1, 2]", "hardware.speed"),
+        ("methods=['magic']", "methods"),
+        ("runtime=quantum", "runtime"),
+        ("nonsense", "--set"),
+    ],
+)
+def test_bad_values_name_the_field(override, field):
+    with pytest.raises(ConfigError, match=field.replace(".", r"\.")):
+        load_config(None, [override])
+
+
+def test_missing_and_malformed_files(tmp_path):
+    with pytest.raises(ConfigError, match="no such file"):
+        load_config(tmp_path / "nope.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[train\n")
+    with pytest.raises(ConfigError, match="invalid TOML"):
+        load_config(bad)
+
+
+def test_config_is_a_frozen_dataclass():
+    with pytest.raises(AttributeError):
+        RunConfig().seed = 3  # type: ignore[misc]
