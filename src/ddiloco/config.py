@@ -22,8 +22,8 @@ from ddiloco.core.plans import STRATEGIES
 from ddiloco.core.rounds import RoundConfig
 from ddiloco.errors import ConfigError, require
 
-CHAOS_KINDS = ("crash", "slow")
-METHODS = ("decoupled", "data_parallel", "diloco", "streaming")
+CHAOS_KINDS = ("crash", "freeze", "slow", "link_slow", "link_cut", "join", "leave")
+METHODS = ("decoupled", "streaming", "diloco", "data_parallel", "elastic_dp")
 
 
 @dataclass(frozen=True)
@@ -38,6 +38,7 @@ class TrainConfig:
     """Each learner's inner training, and the run's budget."""
 
     learners: int = 4
+    scavenged: int = 0  # extra learner slots that start absent and come and go (chaos join)
     batch_size: int = 8  # sequences per learner step
     lr: float = 3e-3  # inner AdamW
     weight_decay: float = 0.1
@@ -50,6 +51,7 @@ class TrainConfig:
     def __post_init__(self) -> None:
         for name in ("learners", "batch_size", "tokens", "eval_every"):
             require(getattr(self, name) >= 1, f"train.{name}", getattr(self, name), "must be >= 1")
+        require(self.scavenged >= 0, "train.scavenged", self.scavenged, "must be >= 0")
         require(self.lr > 0, "train.lr", self.lr, "must be > 0")
 
 
@@ -71,6 +73,8 @@ class SyncConfig:
     merge_rule: str = "rda"
     outer_lr: float = 0.5
     outer_momentum: float = 0.9
+    mean_outer_lr: float = 0.7  # outer lr of the plain-mean baselines (DESIGN §3.2)
+    diloco_inner_steps: int = 12  # H of the DiLoCo baseline
     codec: str = "bf16"  # learner -> syncer
     broadcast_codec: str = "bf16"  # syncer -> learners
     codec_block: int = 128
@@ -127,8 +131,29 @@ class NetworkConfig:
 
 
 @dataclass(frozen=True)
+class DPConfig:
+    """Data-parallel baselines under failures (simulated seconds)."""
+
+    checkpoint_every: int = 50  # steps between checkpoints (non-elastic restarts from one)
+    checkpoint_seconds: float = 1.0  # pause to write one
+    restart_seconds: float = 30.0  # detect + replace + restart, after the failed node is back
+    reconfigure_seconds: float = 5.0  # elastic: pause to shrink or grow the job
+
+    def __post_init__(self) -> None:
+        require(self.checkpoint_every >= 1, "dp.checkpoint_every", self.checkpoint_every, ">= 1")
+        for name in ("checkpoint_seconds", "restart_seconds", "reconfigure_seconds"):
+            require(getattr(self, name) >= 0, f"dp.{name}", getattr(self, name), "must be >= 0")
+
+
+@dataclass(frozen=True)
 class ChaosEvent:
-    """One scheduled fault: ``crash`` (down for ``duration``) or ``slow`` (x ``factor``)."""
+    """One scheduled fault for ``learner`` at virtual time ``at``.
+
+    crash: dies, restarts after ``duration`` and copies a peer; freeze: stopped for
+    ``duration``; slow: steps ``factor`` x longer; link_slow: bandwidth / ``factor``;
+    link_cut: its links carry nothing for ``duration``; join: a scavenged slot arrives;
+    leave: goes away cleanly. A ``duration`` of 0 on slow/link_slow lasts to the end.
+    """
 
     at: float
     kind: str
@@ -156,6 +181,7 @@ class RunConfig:
     sync: SyncConfig = field(default_factory=SyncConfig)
     hardware: HardwareConfig = field(default_factory=HardwareConfig)
     network: NetworkConfig = field(default_factory=NetworkConfig)
+    dp: DPConfig = field(default_factory=DPConfig)
     chaos: tuple[ChaosEvent, ...] = ()
 
     def __post_init__(self) -> None:
@@ -168,12 +194,13 @@ class RunConfig:
             self.hardware.speed,
             f"need one factor per learner ({self.train.learners})",
         )
+        slots = self.train.learners + self.train.scavenged
         for event in self.chaos:
             require(
-                event.learner < self.train.learners,
+                event.learner < slots,
                 "chaos.learner",
                 event.learner,
-                f"no such learner (train.learners = {self.train.learners})",
+                f"no such learner slot (train.learners + train.scavenged = {slots})",
             )
         require(
             self.sync.quorum <= self.train.learners,

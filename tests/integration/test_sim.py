@@ -10,7 +10,8 @@ import pytest
 from ddiloco.commands.train import train
 from ddiloco.config import RunConfig, load_config
 from ddiloco.data.corpus import eval_batches, split_corpus
-from ddiloco.runtime.sim.decoupled import DecoupledSim
+from ddiloco.runtime.sim.engine import FragmentSim
+from ddiloco.strategies import decoupled
 
 BASE = [
     "model='gpt-tiny'",
@@ -34,7 +35,7 @@ def _run(splits, *overrides: str) -> tuple[dict[str, Any], list[dict[str, Any]]]
     config: RunConfig = load_config(None, [*BASE, *overrides])
     records: list[dict[str, Any]] = []
     evals = eval_batches(splits.eval, 64, 4, 1)
-    summary = DecoupledSim(config, splits, evals, records.append).run()
+    summary = FragmentSim(config, decoupled(config), splits, evals, records.append).run()
     return summary, records
 
 

@@ -388,7 +388,7 @@ def test_split_rows_fixes_small_model_imbalance() -> None:
     split = build_plan(specs, 24, "balanced", split_rows=True)
     layer = build_plan(specs, 6, "layer")
     assert whole.imbalance > 1.8  # 1.2K..65K params per fragment
-    assert split.imbalance < 1.25  # rows split at ceil(total/P); pieces near cap limit LPT
+    assert split.imbalance < 1.15  # big tensors cut into quarter-fragment row chunks
     assert layer.imbalance > split.imbalance
     coverage_ok(split, specs)
     assert len(split.fragment_of("blocks.0.mlp.fc.weight")) > 1

@@ -11,20 +11,22 @@ import argparse
 import dataclasses
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from ddiloco.config import ChaosEvent, RunConfig, load_config, to_toml
-from ddiloco.data.corpus import eval_batches, split_corpus
+from ddiloco.data.corpus import TokenSplits, eval_batches, split_corpus
 from ddiloco.models.registry import build_model
 from ddiloco.report.metrics import MetricsWriter, Progress, write_json
 from ddiloco.report.plots import plot_run
 from ddiloco.report.text import human_bytes, table
-from ddiloco.runtime.sim.data_parallel import run_data_parallel
-from ddiloco.runtime.sim.decoupled import DecoupledSim
+from ddiloco.runtime.sim.data_parallel import DataParallelSim
+from ddiloco.runtime.sim.engine import FragmentSim
 from ddiloco.runtime.sim.learner import sequence_length
+from ddiloco.strategies import FRAGMENT_STRATEGIES
 
 DEMO_CHAOS = (
     ChaosEvent(at=60.0, kind="crash", learner=1, duration=40.0),
@@ -71,7 +73,8 @@ def train(config: RunConfig, out: Path, quiet: bool = False) -> list[dict[str, A
     torch.set_num_threads(max(1, min(torch.get_num_threads(), 2)))
     (out / "config.toml").write_text(to_toml(config), encoding="utf-8")
     write_json(out / "chaos_plan.json", [dataclasses.asdict(e) for e in config.chaos])
-    splits = split_corpus(config.data.source, config.train.learners, config.data.eval_fraction)
+    slots = config.train.learners + config.train.scavenged
+    splits = split_corpus(config.data.source, slots, config.data.eval_fraction)
     seq_len = sequence_length(build_model(config.model))
     evals = eval_batches(splits.eval, seq_len, 16, config.data.eval_batches)
     metrics = MetricsWriter(out / "metrics.jsonl")
@@ -86,12 +89,7 @@ def train(config: RunConfig, out: Path, quiet: bool = False) -> list[dict[str, A
                 progress(method, record)
 
             started = time.monotonic()
-            if method == "decoupled":
-                summary = DecoupledSim(config, splits, evals, emit).run()
-            elif method == "data_parallel":
-                summary = run_data_parallel(config, splits, evals, emit)
-            else:
-                raise NotImplementedError(f"method {method!r} is not wired into the sim yet")
+            summary = run_method(config, method, splits, evals, emit)
             summary["wall_seconds"] = time.monotonic() - started
             summaries.append(summary)
     finally:
@@ -101,6 +99,19 @@ def train(config: RunConfig, out: Path, quiet: bool = False) -> list[dict[str, A
     write_json(out / "summary.json", primary)
     plot_run(out)
     return summaries
+
+
+def run_method(
+    config: RunConfig,
+    method: str,
+    splits: TokenSplits,
+    evals: list[tuple[torch.Tensor, torch.Tensor]],
+    emit: Callable[[dict[str, Any]], None],
+) -> dict[str, Any]:
+    """One method on the simulated clock."""
+    if method in FRAGMENT_STRATEGIES:
+        return FragmentSim(config, FRAGMENT_STRATEGIES[method](config), splits, evals, emit).run()
+    return DataParallelSim(config, method == "elastic_dp", splits, evals, emit).run()
 
 
 def render(summaries: list[dict[str, Any]]) -> str:

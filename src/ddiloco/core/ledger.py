@@ -22,6 +22,7 @@ BASE_ALREADY_MERGED = "base_already_merged"  # answer would re-apply merged prog
 INVALID = "invalid"  # answer refused: impossible round or base
 OVERWRITTEN = "overwritten"  # progress replaced by a merged fragment before it was pushed
 CRASH = "crash"  # trained, not yet pushed, when the learner died
+LEFT = "left"  # trained, not yet pushed, when the learner left (scavenged compute)
 LOST_IN_FLIGHT = "lost_in_flight"  # pushed but never arrived (learner or link died mid-push)
 UNSYNCED_AT_END = "unsynced_at_end"  # still in the learner when the run ended
 IN_FLIGHT_AT_END = "in_flight_at_end"  # pushed, not merged, when the run ended
@@ -81,10 +82,11 @@ class TokenLedger:
         self._since_base[(learner, fragment)] = 0
         self._reserved[(learner, fragment)] = 0
 
-    def crashed(self, learner: int) -> None:
-        """The learner died: everything not yet pushed is lost (answers in flight stay open)."""
+    def crashed(self, learner: int, reason: str = CRASH) -> None:
+        """The learner died (or left): everything not yet pushed is lost for ``reason``;
+        its answers already in flight stay open."""
         for p in range(self.num_fragments):
-            self._waste(CRASH, p, self._since_base[(learner, p)] - self._reserved[(learner, p)])
+            self._waste(reason, p, self._since_base[(learner, p)] - self._reserved[(learner, p)])
             self._since_base[(learner, p)] = 0
             self._reserved[(learner, p)] = 0
 

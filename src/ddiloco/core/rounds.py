@@ -159,10 +159,15 @@ class RoundPolicy:
         self.events: list[Supersession | Dropped] = []
 
     # -- membership and progress ------------------------------------------------------------
-    def join(self, learner: int, step: int = 0) -> None:
-        """A learner is live from now on (first start, restart or scavenged join)."""
+    def join(self, learner: int, step: int = 0) -> list[Round]:
+        """A learner is live from now on (first start, restart or scavenged join). Returns the
+        open rounds it must now be asked for: a round waiting for its quorum (K = M after a
+        crash) would otherwise wait for a learner nobody asked."""
         require(step >= 0, "step", step, "must be >= 0")
         self.progress[learner] = step
+        for rnd in self.open.values():
+            rnd.asked.add(learner)
+        return [self.open[p] for p in sorted(self.open)]
 
     def leave(self, learner: int, now: float) -> None:
         """A learner is gone (crash detected or clean leave); it is no longer waited for."""

@@ -1,73 +1,188 @@
-"""Data-parallel baseline on the simulated clock: one model, global batch = sum of learner
-batches, synchronous. Each step takes as long as the slowest of the M replicas plus a ring
-all-reduce of the full gradient (2(M-1)/M x model bytes per link).
+"""Data-parallel baselines on the simulated clock: one model, global batch = the live
+replicas' batches, synchronous steps as long as the slowest replica plus a ring all-reduce of
+the full gradient (2(n-1)/n x model bytes on the slowest link).
 
-Same model, data (the union of the learner shards), token budget and evaluation as the
-Decoupled run, so the two compare side by side. This baseline runs failure-free: it is the
-quality reference at equal tokens.
+Under the same chaos plan as the fragment-sync methods:
+- ``data_parallel`` (not elastic): a crash stops the job; it restarts from the last checkpoint
+  after ``dp.restart_seconds`` (and once the failed replica is back), losing the steps since.
+- ``elastic_dp``: a crash pauses everyone ``dp.reconfigure_seconds``, then the job continues
+  without that replica; its return (or a join) pauses everyone again to scale back up.
+A frozen replica stalls everyone (the all-reduce waits for it).
 """
 
 from __future__ import annotations
 
+import copy
 import random
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from ddiloco.config import RunConfig
+from ddiloco.config import ChaosEvent, RunConfig
 from ddiloco.data.corpus import BatchStream, TokenSplits
 from ddiloco.models.registry import build_model
 from ddiloco.runtime.sim.learner import Trainer, evaluate, sequence_length
 from ddiloco.runtime.sim.world import Network, StepTimes
 
 
-def run_data_parallel(
-    config: RunConfig,
-    splits: TokenSplits,
-    eval_batches: list[tuple[torch.Tensor, torch.Tensor]],
-    emit: Callable[[dict[str, Any]], None],
-) -> dict[str, Any]:
-    t = config.train
-    torch.manual_seed(config.seed)
-    model = build_model(config.model)
-    seq_len = sequence_length(model)
-    stream = BatchStream(torch.cat(splits.shards), t.batch_size * t.learners, seq_len, config.seed)
-    steps = max(1, t.tokens // (t.learners * t.batch_size * seq_len))
-    trainer = Trainer(model, stream, t, steps)
-    step_times = StepTimes(config.hardware, t.learners, random.Random(config.seed))
-    network = Network(config.network)
-    grad_bytes = sum(p.numel() * 4 for p in model.parameters())
-    ring = 2 * (t.learners - 1) / t.learners * grad_bytes if t.learners > 1 else 0
-    allreduce = network.seconds(int(ring), config.network.learner_syncer_gbps)
-    now, tokens, next_eval = 0.0, 0, 0
-    loss = evaluate(model, eval_batches)
-    emit({"kind": "eval", "t": now, "tokens": tokens, "loss": loss})
-    next_eval = t.eval_every
-    bytes_sent = 0
-    while tokens < t.tokens:
-        now += max(step_times.sample(m) for m in range(t.learners)) + allreduce
-        train_loss, n = trainer.train_step()
-        tokens += n
-        bytes_sent += int(ring) * t.learners
-        emit({"kind": "step", "t": now, "learner": 0, "step": trainer.steps, "loss": train_loss})
-        if tokens >= next_eval:
-            loss = evaluate(model, eval_batches)
-            emit({"kind": "eval", "t": now, "tokens": tokens, "loss": loss})
-            next_eval = tokens + t.eval_every
-    final = evaluate(model, eval_batches)
-    emit({"kind": "eval", "t": now, "tokens": tokens, "loss": final})
-    return {
-        "method": "data_parallel",
-        "eval_loss": final,
-        "tokens": tokens,
-        "tokens_merged": float(tokens),
-        "tokens_wasted": {},
-        "ledger_balanced": True,
-        "goodput": 1.0,
-        "uptime": 1.0,
-        "virtual_seconds": now,
-        "bytes_sent": bytes_sent,
-        "bytes_received": bytes_sent,
-        "bytes_per_token": 2 * bytes_sent / max(tokens, 1),
-    }
+class DataParallelSim:
+    """One data-parallel run, elastic or not."""
+
+    def __init__(
+        self,
+        config: RunConfig,
+        elastic: bool,
+        splits: TokenSplits,
+        eval_batches: list[tuple[torch.Tensor, torch.Tensor]],
+        emit: Callable[[dict[str, Any]], None],
+    ) -> None:
+        self.config = config
+        self.elastic = elastic
+        self.emit = emit
+        self.eval_batches = eval_batches
+        t = config.train
+        torch.manual_seed(config.seed)
+        model = build_model(config.model)
+        self.seq_len = sequence_length(model)
+        stream = BatchStream(torch.cat(splits.shards), t.batch_size, self.seq_len, config.seed)
+        steps = max(1, t.tokens // (t.learners * t.batch_size * self.seq_len))
+        self.trainer = Trainer(model, stream, t, steps)
+        slots = t.learners + t.scavenged
+        self.step_times = StepTimes(config.hardware, slots, random.Random(config.seed))
+        self.network = Network(config.network)
+        self.grad_bytes = sum(p.numel() * 4 for p in model.parameters())
+        self.live = set(range(t.learners))
+        self.now = 0.0
+        self.tokens = 0  # processed, including steps later rolled back
+        self.wasted = 0  # tokens of rolled-back steps
+        self.stepping_seconds = 0.0  # time the job was stepping (uptime)
+        self.kept_replica_seconds = 0.0  # replica-time of steps that were kept (goodput)
+        self.bytes = 0
+        self.checkpoint = self._snapshot()
+
+    def _snapshot(self) -> dict[str, Any]:
+        return {
+            "trainer": self.trainer.state(),
+            "tokens_at": self.tokens - self.wasted,
+            "kept_at": self.kept_replica_seconds,
+        }
+
+    def _allreduce_seconds(self) -> float:
+        n = len(self.live)
+        if n <= 1:
+            return 0.0
+        ring = int(2 * (n - 1) / n * self.grad_bytes)
+        self.bytes += ring * n
+        slowest = max(self.network.factor_of(m) for m in self.live)
+        return self.network.seconds(ring, self.config.network.learner_syncer_gbps) * slowest
+
+    def _pause(self, seconds: float, why: str) -> None:
+        self.emit({"kind": "pause", "t": self.now, "seconds": seconds, "why": why})
+        self.now += seconds
+
+    def run(self) -> dict[str, Any]:
+        t = self.config.train
+        dp = self.config.dp
+        events = sorted(self.config.chaos, key=lambda e: e.at)
+        returns: list[tuple[float, int]] = []  # (time, replica) coming back
+        self._eval()
+        next_eval = t.eval_every
+        steps = 0
+        while self.tokens < t.tokens:
+            step = max(self.step_times.sample(m) for m in self.live) + self._allreduce_seconds()
+            due = [e for e in events if e.at < self.now + step]
+            back = [r for r in returns if r[0] < self.now + step]
+            if due or back:  # something happens during this step: it is lost, handle it
+                self.now = max(self.now, min([e.at for e in due] + [r[0] for r in back]))
+                for e in due:
+                    events.remove(e)
+                    self._fault(e, returns)
+                for r in back:
+                    returns.remove(r)
+                    self._return(r[1])
+                continue
+            loss, n = self.trainer.train_step(batches=len(self.live))
+            self.now += step
+            self.stepping_seconds += step
+            self.kept_replica_seconds += step * len(self.live)
+            self.tokens += n
+            steps += 1
+            self.emit({"kind": "step", "t": self.now, "learner": 0, "step": steps, "loss": loss})
+            if steps % dp.checkpoint_every == 0:
+                self.checkpoint = self._snapshot()
+                self._pause(dp.checkpoint_seconds, "checkpoint")
+            if self.tokens >= next_eval:
+                self._eval()
+                next_eval = self.tokens + t.eval_every
+        final = self._eval()
+        return self._summary(final)
+
+    def _fault(self, event: ChaosEvent, returns: list[tuple[float, int]]) -> None:
+        dp = self.config.dp
+        self.emit({"kind": "chaos", "t": self.now, "event": event.kind, "learner": event.learner,
+                   "duration": event.duration, "factor": event.factor})  # fmt: skip
+        m = event.learner
+        if event.kind == "slow":
+            self.step_times.slowdown[m] = event.factor
+            if event.duration > 0:
+                returns.append((self.now + event.duration, -1 - m))  # speed restored
+        elif event.kind == "link_slow":
+            self.network.slow(m, event.factor)
+        elif event.kind in ("freeze", "link_cut") and m in self.live:
+            self._pause(event.duration, event.kind)  # the all-reduce waits for it
+        elif event.kind in ("crash", "leave") and m in self.live:
+            if event.kind == "crash":
+                returns.append((self.now + event.duration, m))
+            if self.elastic:
+                self.live.discard(m)
+                self._pause(dp.reconfigure_seconds, "downscale")
+            else:
+                self._rollback(max(event.duration, 0.0) + dp.restart_seconds)
+                if event.kind == "leave":
+                    self.live.discard(m)
+        elif event.kind == "join" and m not in self.live and self.elastic:
+            self._return(m)
+
+    def _return(self, m: int) -> None:
+        if m < 0:  # a slowdown ends
+            self.step_times.slowdown[-1 - m] = 1.0
+            return
+        if self.elastic and m not in self.live:
+            self.live.add(m)
+            self._pause(self.config.dp.reconfigure_seconds, "upscale")
+
+    def _rollback(self, downtime: float) -> None:
+        """Non-elastic failure: everyone stops, restarts from the last checkpoint."""
+        lost = self.tokens - self.wasted - self.checkpoint["tokens_at"]
+        self.trainer.load_state(copy.deepcopy(self.checkpoint["trainer"]))
+        self.wasted += lost
+        self.kept_replica_seconds = self.checkpoint["kept_at"]
+        self.emit({"kind": "rollback", "t": self.now, "tokens_lost": lost})
+        self._pause(downtime, "restart")
+
+    def _eval(self) -> float:
+        loss = evaluate(self.trainer.model, self.eval_batches)
+        self.emit({"kind": "eval", "t": self.now, "tokens": self.tokens, "loss": loss})
+        return loss
+
+    def _summary(self, final: float) -> dict[str, Any]:
+        allocated = (self.config.train.learners) * self.now
+        kept = self.tokens - self.wasted
+        return {
+            "method": "elastic_dp" if self.elastic else "data_parallel",
+            "eval_loss": final,
+            "tokens": self.tokens,
+            "tokens_merged": float(kept),
+            "tokens_wasted": {"rollback": float(self.wasted)} if self.wasted else {},
+            "ledger_balanced": True,
+            # useful compute / allocated compute: replica-time of kept steps over every
+            # replica slot for the whole run
+            "goodput": self.kept_replica_seconds / max(allocated, 1e-9),
+            "token_efficiency": kept / max(self.tokens, 1),
+            "uptime": self.stepping_seconds / max(self.now, 1e-9),
+            "virtual_seconds": self.now,
+            "bytes_sent": self.bytes,
+            "bytes_received": self.bytes,
+            "bytes_per_token": 2 * self.bytes / max(self.tokens, 1),
+        }

@@ -50,6 +50,16 @@ class Trainer:
         self.steps = 0
         self.amp = self.device.type == "cuda" and torch.cuda.is_bf16_supported()
 
+    def _new_optimizer(self) -> torch.optim.Optimizer:
+        c = self.config
+        return torch.optim.AdamW(
+            self.model.parameters(), lr=c.lr, weight_decay=c.weight_decay, betas=(0.9, 0.95)
+        )
+
+    def reset_optimizer(self) -> None:
+        """Fresh inner state (a learner restarting with no peer to copy from)."""
+        self.optimizer = self._new_optimizer()
+
     def lr_at(self, step: int) -> float:
         """Linear warmup, then cosine decay to 10% over the planned steps."""
         c = self.config
