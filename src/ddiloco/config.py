@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ddiloco.chaos.plan import ChaosEvent, ChaosGenerators
 from ddiloco.core.codec import CodecSpec
 from ddiloco.core.grace import GraceConfig
 from ddiloco.core.outer import OuterConfig
@@ -22,7 +23,6 @@ from ddiloco.core.plans import STRATEGIES
 from ddiloco.core.rounds import RoundConfig
 from ddiloco.errors import ConfigError, require
 
-CHAOS_KINDS = ("crash", "freeze", "slow", "link_slow", "link_cut", "join", "leave")
 METHODS = ("decoupled", "streaming", "diloco", "data_parallel", "elastic_dp")
 
 
@@ -146,30 +146,6 @@ class DPConfig:
 
 
 @dataclass(frozen=True)
-class ChaosEvent:
-    """One scheduled fault for ``learner`` at virtual time ``at``.
-
-    crash: dies, restarts after ``duration`` and copies a peer; freeze: stopped for
-    ``duration``; slow: steps ``factor`` x longer; link_slow: bandwidth / ``factor``;
-    link_cut: its links carry nothing for ``duration``; join: a scavenged slot arrives;
-    leave: goes away cleanly. A ``duration`` of 0 on slow/link_slow lasts to the end.
-    """
-
-    at: float
-    kind: str
-    learner: int
-    duration: float = 0.0
-    factor: float = 1.0
-
-    def __post_init__(self) -> None:
-        require(self.kind in CHAOS_KINDS, "chaos.kind", self.kind, f"known: {CHAOS_KINDS}")
-        require(self.at >= 0, "chaos.at", self.at, "must be >= 0")
-        require(self.learner >= 0, "chaos.learner", self.learner, "must be >= 0")
-        require(self.duration >= 0, "chaos.duration", self.duration, "must be >= 0")
-        require(self.factor > 0, "chaos.factor", self.factor, "must be > 0")
-
-
-@dataclass(frozen=True)
 class RunConfig:
     name: str = "demo"
     runtime: str = "sim"
@@ -182,7 +158,9 @@ class RunConfig:
     hardware: HardwareConfig = field(default_factory=HardwareConfig)
     network: NetworkConfig = field(default_factory=NetworkConfig)
     dp: DPConfig = field(default_factory=DPConfig)
-    chaos: tuple[ChaosEvent, ...] = ()
+    chaos: tuple[ChaosEvent, ...] = ()  # explicit events
+    chaos_gen: ChaosGenerators = field(default_factory=ChaosGenerators)
+    chaos_plan: str = ""  # replay: a chaos_plan.json from an earlier run (generators off)
 
     def __post_init__(self) -> None:
         require(self.runtime == "sim", "runtime", self.runtime, "only 'sim' is available yet")

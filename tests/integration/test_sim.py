@@ -119,3 +119,82 @@ def test_train_writes_the_run_directory(tmp_path):
     assert load_config(tmp_path / "config.toml") == config
     plan = json.loads((tmp_path / "chaos_plan.json").read_text())
     assert plan == [{"at": 12.0, "kind": "crash", "learner": 1, "duration": 6.0, "factor": 1.0}]
+
+
+def _run_method(splits, method: str, *overrides: str):
+    from ddiloco.commands.train import run_method
+
+    config = load_config(None, [*BASE, *overrides])
+    records: list[dict[str, Any]] = []
+    summary = run_method(config, method, splits, eval_batches(splits.eval, 64, 4, 1),
+                         records.append)  # fmt: skip
+    return summary, records
+
+
+def test_a_long_freeze_is_detected_and_the_learner_rejoins_with_its_state(splits):
+    summary, records = _run(splits, "chaos=[{at=3.0, kind='freeze', learner=2, duration=5.0}]")
+    assert [r["learner"] for r in records if r["kind"] == "detected"] == [2]
+    frozen = [r for r in records if r["kind"] == "step" and r["learner"] == 2 and 3.2 < r["t"] < 8]
+    assert frozen == []
+    assert any(r["kind"] == "step" and r["learner"] == 2 and r["t"] > 8 for r in records)
+    assert "crash" not in summary["tokens_wasted"]  # a freeze loses no state
+    assert summary["ledger_balanced"]
+
+
+def test_scavenged_learner_joins_from_a_peer_and_leaves(splits):
+    summary, records = _run(
+        splits, "train.scavenged=1", "train.learners=2",
+        "chaos=[{at=2.0, kind='join', learner=2}, {at=6.0, kind='leave', learner=2}]",
+    )  # fmt: skip
+    assert [(r["learner"], r["peer"]) for r in records if r["kind"] == "recovered"] == [(2, 0)]
+    steps = [r["t"] for r in records if r["kind"] == "step" and r["learner"] == 2]
+    assert steps and min(steps) > 2.0 and max(steps) < 6.0
+    assert summary["ledger_balanced"]
+
+
+def test_link_cut_delays_but_loses_nothing(splits):
+    summary, _ = _run(splits, "chaos=[{at=2.0, kind='link_cut', learner=0, duration=4.0}]")
+    assert summary["ledger_balanced"]
+    assert "lost_in_flight" not in summary["tokens_wasted"]
+
+
+def test_streaming_is_lock_step_with_every_learner(splits):
+    summary, records = _run_method(splits, "streaming", "hardware.speed=[1.0, 1.0, 1.5]")
+    rounds = [r for r in records if r["kind"] == "round"]
+    assert rounds and all(r["answers"] >= 3 for r in rounds[1:])  # K = M
+    assert summary["idle_seconds"] > 0  # the fast learners waited for the slow one
+    assert summary["method"] == "streaming" and summary["ledger_balanced"]
+
+
+def test_diloco_syncs_the_whole_model_at_once(splits):
+    summary, records = _run_method(splits, "diloco", "sync.diloco_inner_steps=5")
+    assert summary["plan"]["fragments"] == 1
+    assert {r["fragment"] for r in records if r["kind"] == "round"} == {0}
+
+
+def test_data_parallel_rolls_back_and_elastic_shrinks(splits):
+    chaos = "chaos=[{at=5.0, kind='crash', learner=1, duration=10.0}]"
+    stiff, stiff_records = _run_method(splits, "data_parallel", chaos, "dp.checkpoint_every=100")
+    elastic, elastic_records = _run_method(splits, "elastic_dp", chaos)
+    assert stiff["tokens_wasted"]["rollback"] > 0 and stiff["uptime"] < 1.0
+    assert any(r["kind"] == "rollback" for r in stiff_records)
+    assert elastic["tokens_wasted"] == {}
+    pauses = [r["why"] for r in elastic_records if r["kind"] == "pause"]
+    assert "downscale" in pauses and "upscale" in pauses
+    assert elastic["goodput"] > stiff["goodput"]
+
+
+def test_replaying_an_expanded_plan_reproduces_the_run(tmp_path):
+    overrides = ["train.tokens=5000", "train.eval_every=2500", "methods=['decoupled']",
+                 "chaos_gen.mtbi_hours=0.002", "chaos_gen.recovery_seconds=3.0"]  # fmt: skip
+    first = load_config("configs/smoke.toml", overrides)
+    train(first, tmp_path / "a", quiet=True)
+    plan = json.loads((tmp_path / "a" / "chaos_plan.json").read_text())
+    assert any(e["kind"] == "crash" for e in plan[1:])  # generated, beyond the explicit one
+    replay = load_config(
+        "configs/smoke.toml",
+        [*overrides[:3], "chaos=[]", f"chaos_plan='{tmp_path / 'a' / 'chaos_plan.json'}'"],
+    )
+    train(replay, tmp_path / "b", quiet=True)
+    a = (tmp_path / "a" / "metrics.jsonl").read_text()
+    assert a == (tmp_path / "b" / "metrics.jsonl").read_text()

@@ -1,1 +1,1 @@
-"""ddiloco.chaos."""
+"""Chaos engineering: fault plans (events, generators, expansion) shared by both clocks."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import random
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -17,7 +18,8 @@ from typing import Any
 
 import torch
 
-from ddiloco.config import ChaosEvent, RunConfig, load_config, to_toml
+from ddiloco.chaos.plan import ChaosEvent, ChaosGenerators, expand, load_plan, to_json
+from ddiloco.config import RunConfig, load_config, to_toml
 from ddiloco.data.corpus import TokenSplits, eval_batches, split_corpus
 from ddiloco.models.registry import build_model
 from ddiloco.report.metrics import MetricsWriter, Progress, write_json
@@ -50,7 +52,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def resolve(args: argparse.Namespace) -> RunConfig:
     config = load_config(args.config, list(args.set))
-    if args.config is None and not config.chaos:
+    if args.config is None and not config.chaos and not config.chaos_plan:
         config = dataclasses.replace(config, chaos=DEMO_CHAOS)
     if args.seed is not None:
         config = dataclasses.replace(config, seed=args.seed)
@@ -71,11 +73,13 @@ def run(args: argparse.Namespace) -> int:
 def train(config: RunConfig, out: Path, quiet: bool = False) -> list[dict[str, Any]]:
     """Run every method of ``config``; write config, chaos plan, metrics, summary, plots."""
     torch.set_num_threads(max(1, min(torch.get_num_threads(), 2)))
+    out.mkdir(parents=True, exist_ok=True)
     (out / "config.toml").write_text(to_toml(config), encoding="utf-8")
-    write_json(out / "chaos_plan.json", [dataclasses.asdict(e) for e in config.chaos])
+    seq_len = sequence_length(build_model(config.model))
+    config = with_expanded_chaos(config, seq_len)
+    write_json(out / "chaos_plan.json", to_json(config.chaos))
     slots = config.train.learners + config.train.scavenged
     splits = split_corpus(config.data.source, slots, config.data.eval_fraction)
-    seq_len = sequence_length(build_model(config.model))
     evals = eval_batches(splits.eval, seq_len, 16, config.data.eval_batches)
     metrics = MetricsWriter(out / "metrics.jsonl")
     progress = Progress(config.train.tokens, quiet=quiet)
@@ -99,6 +103,23 @@ def train(config: RunConfig, out: Path, quiet: bool = False) -> list[dict[str, A
     write_json(out / "summary.json", primary)
     plot_run(out)
     return summaries
+
+
+def with_expanded_chaos(config: RunConfig, seq_len: int) -> RunConfig:
+    """The config with its chaos plan expanded into explicit events (or replayed from a
+    chaos_plan.json), generators switched off so nothing is generated twice."""
+    if config.chaos_plan:
+        events = load_plan(config.chaos_plan)
+    else:
+        t = config.train
+        horizon = config.chaos_gen.horizon_seconds
+        if horizon == 0:  # twice the failure-free duration of the slowest learner
+            steps = t.tokens / (t.learners * t.batch_size * seq_len)
+            slowest = max(config.hardware.speed, default=1.0)
+            horizon = 2.0 * steps * config.hardware.step_seconds * slowest
+        rng = random.Random(config.seed * 7919 + 17)
+        events = expand(config.chaos, config.chaos_gen, t.learners, t.scavenged, horizon, rng)
+    return dataclasses.replace(config, chaos=events, chaos_gen=ChaosGenerators(), chaos_plan="")
 
 
 def run_method(

@@ -33,6 +33,11 @@ class RoundConfig:
         require(self.overlap >= 0, "overlap", self.overlap, "tau must be >= 0")
 
 
+# round_id of an answer a learner pushes on its own schedule (lock-step baselines): it is
+# for the fragment's current or next round, whichever that is when it arrives.
+UNSOLICITED = -1
+
+
 @dataclass(frozen=True)
 class AnswerMeta:
     """What a learner's answer says about itself (the tensors travel separately)."""
@@ -54,7 +59,8 @@ class AnswerMeta:
     def validate(self, num_fragments: int) -> None:
         """Refuse impossible metadata with an error naming the field."""
         require(0 <= self.fragment < num_fragments, "fragment", self.fragment, "out of range")
-        for name in ("learner", "incarnation", "seq", "round_id", "base_version"):
+        require(self.round_id >= UNSOLICITED, "round_id", self.round_id, "must be >= -1")
+        for name in ("learner", "incarnation", "seq", "base_version"):
             value = getattr(self, name)
             require(value >= 0, name, value, "must be >= 0")
         for name in ("local_step", "c_steps", "c_tokens"):
@@ -88,11 +94,11 @@ class Round:
 
     @property
     def learners(self) -> set[int]:
-        """Learners that answered *this* round. Late answers from an earlier round ride along
-        in the merge but do not count: counting them would meet the quorum the moment the
-        round opens, close it before the fresh answers arrive, and push those to the next
-        round, forever one round late."""
-        return {a.learner for a in self.answers.values() if a.round_id == self.round_id}
+        """Learners with a fresh answer (on the current version) in this round. Late answers
+        on an older base ride along in the merge but do not count: counting them would meet
+        the quorum the moment the round opens, close it before the fresh answers arrive, and
+        push those to the next round, forever one round late."""
+        return {a.learner for a in self.answers.values() if a.base_version == self.version}
 
     @property
     def deadline(self) -> float | None:

@@ -24,7 +24,7 @@ from ddiloco.core.codec import decode_tensors, encode_tensors
 from ddiloco.core.learner_state import LearnerSync
 from ddiloco.core.ledger import TokenLedger
 from ddiloco.core.plans import FragmentPlan, build_plan, scatter, tensor_specs
-from ddiloco.core.rounds import AnswerMeta, Verdict
+from ddiloco.core.rounds import UNSOLICITED, AnswerMeta, Verdict
 from ddiloco.core.syncer_state import MergeResult, SyncerConfig, SyncerState
 from ddiloco.data.corpus import BatchStream, TokenSplits
 from ddiloco.models.gpt import embedding_names
@@ -177,6 +177,11 @@ class FragmentSim(FaultHandlers):
     def at_boundary(self, node: Node) -> None:
         """Between two steps: answer what was asked (after the step it was in), then apply
         merged fragments that arrived (the answer keeps the progress they overwrite)."""
+        if self.settings.lockstep:  # push on its own schedule, at the same step as everyone
+            node.asks.clear()
+            for p in self.plan.due(node.sync.step):
+                if node.sync.step > 0 and p not in node.sent:
+                    self._send_answer(node, p, UNSOLICITED)
         for p, round_id in sorted(node.asks.items()):
             self._send_answer(node, p, round_id)
         node.asks.clear()
