@@ -7,7 +7,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ddiloco.core.grace import Ema, GraceConfig, grace_window
-from ddiloco.core.rounds import AnswerMeta, Dropped, RoundConfig, RoundPolicy, Supersession, Verdict
+from ddiloco.core.rounds import (
+    UNSOLICITED,
+    AnswerMeta,
+    Dropped,
+    RoundConfig,
+    RoundPolicy,
+    Supersession,
+    Verdict,
+)
 from ddiloco.errors import ConfigError
 
 H = 4
@@ -137,17 +145,19 @@ def test_duplicates_invalid_and_stale_answers():
     assert pol.on_answer(_answer(1, 1, round_id=0, base=0, seq=9), now=20.0) is Verdict.STALE
 
 
-def test_late_answer_waits_for_the_next_round_and_ages_out():
-    pol = _policy(k=1, max_staleness=0)
+def test_late_answer_waits_for_the_next_round_and_rides_along_without_quorum():
+    pol = _policy(k=1, max_staleness=1)
     pol.on_progress(0, 1, now=0.0)
     pol.on_answer(_answer(0, 1), now=0.0)
     (closed,) = pol.ready(now=5.0)
     pol.on_merged(closed)  # fragment 1 at version 1, no round open
-    assert pol.on_answer(_answer(1, 1, base=1, seq=1), now=6.0) is Verdict.WAITING
-    assert pol.on_answer(_answer(2, 1, base=1, seq=1), now=6.0) is Verdict.WAITING
+    late = _answer(1, 1, base=0, seq=1)  # computed on version 0: one version stale
+    early = _answer(2, 1, base=1, round_id=UNSOLICITED, seq=1)  # pushed on its own schedule
+    assert pol.on_answer(late, now=6.0) is Verdict.WAITING
+    assert pol.on_answer(early, now=6.0) is Verdict.WAITING
     pol.on_progress(0, 1 + H, now=7.0)  # round 1 opens, held answers join it
     assert {a.learner for a in pol.open[1].answers.values()} == {1, 2}
-    assert pol.open[1].learners == set()  # late answers ride along but are no quorum
+    assert pol.open[1].learners == {2}  # only the fresh one counts for the quorum
 
 
 def test_newer_answer_on_the_same_base_supersedes_the_older():
