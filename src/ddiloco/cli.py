@@ -7,11 +7,12 @@ import sys
 from collections.abc import Sequence
 
 from ddiloco import __version__
-from ddiloco.commands import plan, train
+from ddiloco.commands import compare, plan, train
 from ddiloco.errors import DDiLoCoError
 
 COMMANDS = {
     "train": (train, "train with Decoupled DiLoCo and baselines (no arguments: the demo)"),
+    "compare": (compare, "print and plot several run directories side by side"),
     "plan": (plan, "show a model's fragment plan: tensors, bytes, imbalance, bytes per step"),
 }
 

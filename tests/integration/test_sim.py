@@ -119,6 +119,10 @@ def test_train_writes_the_run_directory(tmp_path):
     assert load_config(tmp_path / "config.toml") == config
     plan = json.loads((tmp_path / "chaos_plan.json").read_text())
     assert plan == [{"at": 12.0, "kind": "crash", "learner": 1, "duration": 6.0, "factor": 1.0}]
+    from ddiloco.cli import main
+
+    assert main(["compare", str(tmp_path), "--out", str(tmp_path / "cmp.png")]) == 0
+    assert (tmp_path / "cmp.png").stat().st_size > 0
 
 
 def _run_method(splits, method: str, *overrides: str):
@@ -198,3 +202,16 @@ def test_replaying_an_expanded_plan_reproduces_the_run(tmp_path):
     train(replay, tmp_path / "b", quiet=True)
     a = (tmp_path / "a" / "metrics.jsonl").read_text()
     assert a == (tmp_path / "b" / "metrics.jsonl").read_text()
+
+
+def test_lock_step_survives_a_crash_without_stalling(splits):
+    """A newcomer owes the rounds that opened while it was away; without answering them,
+    the others (waiting for those rounds) and it (waiting for its own) deadlock."""
+    shape = ("sync.fragments=6", "sync.sync_every=6", "train.tokens=12000")
+    calm, _ = _run_method(splits, "streaming", *shape)
+    summary, records = _run_method(
+        splits, "streaming", *shape, "chaos=[{at=5.0, kind='crash', learner=1, duration=3.0}]"
+    )
+    assert summary["tokens"] >= 12000 and summary["ledger_balanced"]
+    assert summary["virtual_seconds"] < calm["virtual_seconds"] + 3.0 + 10.0
+    assert any(r["kind"] == "step" and r["learner"] == 1 and r["t"] > 8.0 for r in records)

@@ -52,7 +52,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def resolve(args: argparse.Namespace) -> RunConfig:
     config = load_config(args.config, list(args.set))
-    if args.config is None and not config.chaos and not config.chaos_plan:
+    touched = any(item.split("=", 1)[0].strip().startswith("chaos") for item in args.set)
+    if args.config is None and not touched:  # the demo, unless its chaos was overridden
         config = dataclasses.replace(config, chaos=DEMO_CHAOS)
     if args.seed is not None:
         config = dataclasses.replace(config, seed=args.seed)

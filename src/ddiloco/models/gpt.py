@@ -1,6 +1,7 @@
 """A small decoder-only transformer language model (nanoGPT-like), readable in one sitting.
 
-Named sizes from ~1M to ~50M parameters live in ``GPT_CONFIGS``. Parameter names follow one
+Named sizes from ~0.1M to ~50M parameters live in ``GPT_CONFIGS``, dense and mixture-of-
+experts (``moe-*``: top-2 routed expert MLPs, as the paper shows both). Parameter names follow one
 pattern (``tok_emb``, ``pos_emb``, ``blocks.<i>.*``, ``ln_f``, ``head``) so layer-wise fragment
 plans can group them by block. The output head is untied so embeddings can be flagged apart
 (RDA merges them with the plain weighted mean).
@@ -28,6 +29,9 @@ class GPTConfig:
     n_head: int = 4
     n_embd: int = 128
     dropout: float = 0.0
+    n_experts: int = 0  # 0: dense MLP; E > 0: a mixture of E expert MLPs per block
+    top_k: int = 2  # experts each token is routed to
+    aux_loss: float = 0.01  # weight of the load-balancing loss
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
@@ -40,6 +44,10 @@ class GPTConfig:
             f"must be divisible by n_head={self.n_head}",
         )
         require(0.0 <= self.dropout < 1.0, "model.dropout", self.dropout, "must be in [0, 1)")
+        require(self.n_experts >= 0, "model.n_experts", self.n_experts, "must be >= 0")
+        if self.n_experts:
+            require(1 <= self.top_k <= self.n_experts, "model.top_k", self.top_k,
+                    f"must be in [1, n_experts={self.n_experts}]")  # fmt: skip
 
 
 GPT_CONFIGS: dict[str, GPTConfig] = {
@@ -48,6 +56,8 @@ GPT_CONFIGS: dict[str, GPTConfig] = {
     "gpt-4m": GPTConfig(n_layer=6, n_head=6, n_embd=240, block_size=256),  # ~4.3M
     "gpt-12m": GPTConfig(n_layer=8, n_head=8, n_embd=352, block_size=256),  # ~12M
     "gpt-50m": GPTConfig(n_layer=12, n_head=12, n_embd=576, block_size=512),  # ~48M
+    "moe-tiny": GPTConfig(n_layer=2, n_head=2, n_embd=64, block_size=64, n_experts=4),  # ~0.3M
+    "moe-4m": GPTConfig(n_layer=4, n_head=4, n_embd=128, block_size=128, n_experts=8),  # ~4.5M
 }
 
 
@@ -78,13 +88,40 @@ class MLP(nn.Module):
         return self.proj(F.gelu(self.fc(x)))
 
 
+class MoE(nn.Module):
+    """Top-k routed expert MLPs (each token goes to k of E experts, weighted by the router's
+    softmax), with the Switch-Transformer load-balancing loss kept in ``aux``."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.top_k = config.top_k
+        self.router = nn.Linear(config.n_embd, config.n_experts, bias=False)
+        self.experts = nn.ModuleList(MLP(config) for _ in range(config.n_experts))
+        self.aux = torch.zeros(())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        flat = x.reshape(-1, c)
+        probs = F.softmax(self.router(flat), dim=-1)
+        weights, chosen = probs.topk(self.top_k, dim=-1)
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+        out = torch.zeros_like(flat)
+        for e, expert in enumerate(self.experts):
+            rows, slot = (chosen == e).nonzero(as_tuple=True)
+            if rows.numel():
+                out.index_add_(0, rows, expert(flat[rows]) * weights[rows, slot, None])
+        load = F.one_hot(chosen[:, 0], len(self.experts)).float().mean(0)
+        self.aux = len(self.experts) * (load * probs.mean(0)).sum()
+        return out.view(b, t, c)
+
+
 class Block(nn.Module):
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.ln_1 = nn.LayerNorm(config.n_embd)
         self.attn = CausalSelfAttention(config)
         self.ln_2 = nn.LayerNorm(config.n_embd)
-        self.mlp = MLP(config)
+        self.mlp: nn.Module = MoE(config) if config.n_experts else MLP(config)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x))
@@ -130,6 +167,9 @@ class GPT(nn.Module):
         if targets is None:
             return logits, None
         loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1))
+        if self.config.n_experts and self.training:
+            aux = sum(b.mlp.aux for b in self.blocks if isinstance(b.mlp, MoE))
+            loss = loss + self.config.aux_loss * aux
         return logits, loss
 
 

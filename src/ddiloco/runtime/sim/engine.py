@@ -174,16 +174,19 @@ class FragmentSim(FaultHandlers):
             latency, self._progress_arrive, node.id, node.life, node.sync.step, step_seconds
         )
 
-    def at_boundary(self, node: Node) -> None:
+    def at_boundary(self, node: Node, step_end: bool = True) -> None:
         """Between two steps: answer what was asked (after the step it was in), then apply
-        merged fragments that arrived (the answer keeps the progress they overwrite)."""
-        if self.settings.lockstep:  # push on its own schedule, at the same step as everyone
-            node.asks.clear()
+        merged fragments that arrived (the answer keeps the progress they overwrite).
+        ``step_end`` is False when a waiting learner is woken up at the same boundary again."""
+        if self.settings.lockstep and step_end:  # push on its own schedule, once per step
             for p in self.plan.due(node.sync.step):
                 if node.sync.step > 0 and p not in node.sent:
                     self._send_answer(node, p, UNSOLICITED)
         for p, round_id in sorted(node.asks.items()):
-            self._send_answer(node, p, round_id)
+            # lock-step learners answer an ask only for what they have not pushed on this
+            # base: a newcomer owes the rounds that opened while it was away
+            if not (self.settings.lockstep and p in node.sent):
+                self._send_answer(node, p, round_id)
         node.asks.clear()
         for p, (version, values) in sorted(node.inbox.items()):
             if node.sync.apply(p, version, values, node.trainer.params()):
@@ -233,7 +236,7 @@ class FragmentSim(FaultHandlers):
     def _unblock_check(self, node: Node) -> None:
         if node.frozen:
             return
-        self.at_boundary(node)
+        self.at_boundary(node, step_end=False)
         if not self._must_wait(node):
             self.idle_seconds += self.clock.now - (node.blocked_since or self.clock.now)
             node.blocked_since = None
