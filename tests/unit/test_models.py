@@ -62,5 +62,5 @@ def test_sequence_longer_than_context_is_refused():
 
 
 def test_registry_refuses_what_is_not_a_module():
-    with pytest.raises(ConfigError, match="not a torch.nn.Module"):
+    with pytest.raises(ConfigError, match=r"not a torch\.nn\.Module"):
         build_model("builtins:dict")
