@@ -32,7 +32,7 @@ from ddiloco.strategies import FRAGMENT_STRATEGIES
 
 DEMO_CHAOS = (
     ChaosEvent(at=60.0, kind="crash", learner=1, duration=40.0),
-    ChaosEvent(at=20.0, kind="slow", learner=3, duration=10_000.0, factor=1.3),
+    ChaosEvent(at=20.0, kind="slow", learner=3, duration=0.0, factor=1.3),  # to the end
 )
 
 
