@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import struct
+import subprocess
+import sys
+import threading
 
 import pytest
 import torch
@@ -462,3 +466,267 @@ def test_bundle_corruptions_are_refused():
     with pytest.raises(CodecError) as err:
         decode_tensors(good, expected_shapes=[(3,)])
     assert err.value.field == "count"
+
+
+# ---------------------------------------------------------------- numba fast path
+
+needs_jit = pytest.mark.skipif(quantize.jit_kernels() is None, reason="numba kernels unavailable")
+# How the kernels run: the serial kernel, and the parallel driver with tiny chunks (forced on
+# small tensors by lowering its threshold) so that rows are split over threads.
+JIT_MODES = ("serial", "parallel")
+
+
+@contextlib.contextmanager
+def _path(path, mode="serial"):
+    """Force quantize's inner loops for the duration: "eager" or "jit" in ``mode``."""
+    saved = quantize.JIT
+    kernels = quantize.jit_kernels()
+    saved_k = (kernels.PARALLEL_MIN_VALUES, kernels.CHUNK_VALUES) if kernels else None
+    threads = torch.get_num_threads()
+    quantize.JIT = path
+    if kernels is not None and mode == "parallel":
+        kernels.PARALLEL_MIN_VALUES, kernels.CHUNK_VALUES = 0, 16
+        torch.set_num_threads(max(2, threads))
+    try:
+        yield
+    finally:
+        quantize.JIT = saved
+        torch.set_num_threads(threads)
+        if kernels is not None:
+            kernels.PARALLEL_MIN_VALUES, kernels.CHUNK_VALUES = saved_k
+
+
+def _both(fn, mode="serial"):
+    """``fn()`` on the eager path and on the numba path."""
+    with _path("eager"):
+        a = fn()
+    with _path("jit", mode):
+        b = fn()
+    return a, b
+
+
+def _same_floats(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit for bit, -0.0 and every NaN payload included."""
+    return a.shape == b.shape and torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
+_F32_MAX = 3.4028234663852886e38
+specials_st = st.lists(
+    st.sampled_from(
+        [0.0, -0.0, 1e-45, -1e-45, 2.0**-100, -(2.0**-101), 1.1754942e-38, 1e-40, 0.5, -0.5,
+         1.5, -2.5, 3.5, 1e30, -1e30, 1.7e38, -1.7e38, 2.9e38]
+    ),
+    max_size=12,
+)  # fmt: skip
+
+
+def _jit_tensor(shape, seed, log_scale, specials, dtype):
+    x = _tensor(shape, seed, log_scale).view(-1)
+    g = torch.Generator().manual_seed(seed + 1)
+    for i, v in enumerate(specials):
+        if x.numel():
+            x[int(torch.randint(0, x.numel(), (1,), generator=g)) if i else 0] = v
+    return x.view(shape).to(dtype)
+
+
+@needs_jit
+@pytest.mark.parametrize("mode", JIT_MODES)
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    name=st.sampled_from(INT_CODECS),
+    shape=shapes_st,
+    block=block_st,
+    seed=st.integers(0, 2**16),
+    log_scale=st.floats(-40, 37),
+    specials=specials_st,
+    dtype=st.sampled_from([torch.float32] * 4 + [torch.float64, torch.bfloat16, torch.float16]),
+)
+def test_jit_and_eager_paths_give_the_same_bytes_and_values(
+    mode, name, shape, block, seed, log_scale, specials, dtype
+):
+    spec = CodecSpec(name, block)
+    x = _jit_tensor(shape, seed, log_scale, specials, dtype)
+    try:
+        a, b = _both(lambda: encode(x, spec), mode)
+    except CodecError:  # beyond the int range (or Inf as float32): both refuse, same words
+        with _path("eager"), pytest.raises(CodecError) as ea:
+            encode(x, spec)
+        with _path("jit", mode), pytest.raises(CodecError) as eb:
+            encode(x, spec)
+        assert (ea.value.field, str(ea.value)) == (eb.value.field, str(eb.value))
+        return
+    assert a == b
+    da, db = _both(lambda: decode(a), mode)
+    assert _same_floats(da, db)
+
+
+@needs_jit
+@pytest.mark.parametrize("mode", JIT_MODES)
+@settings(max_examples=120, deadline=None)
+@given(
+    name=st.sampled_from(INT_CODECS),
+    n=st.integers(1, 300),
+    block=block_st,
+    data=st.data(),
+)
+def test_jit_and_eager_decode_any_codes_and_scales_alike(mode, name, n, block, data):
+    """Every code, also those the encoder never writes, and any valid scale (subnormal too)."""
+    spec = CodecSpec(name, block)
+    payload = bytearray(encode(torch.zeros(n), spec))
+    nb = -(-n // block)
+    start = FIXED.size + 16
+    bound = quantize.MAX_SCALE[quantize.BITS[name]]
+    scale_st = st.one_of(
+        st.floats(0, bound, width=32), st.sampled_from([0.0, 1e-45, 1e-40, 2.0**-107, bound])
+    )
+    scales = data.draw(st.lists(scale_st, min_size=nb, max_size=nb))
+    struct.pack_into(f"<{nb}f", payload, start, *scales)
+    size = len(payload) - start - 4 * nb
+    payload[start + 4 * nb :] = data.draw(st.binary(min_size=size, max_size=size))
+    da, db = _both(lambda: decode(bytes(payload)), mode)
+    assert _same_floats(da, db)
+    ea, eb = _both(lambda: decode(payload), mode)  # a writable buffer: the same kernel
+    assert _same_floats(ea, da) and _same_floats(eb, db)
+
+
+@needs_jit
+@pytest.mark.parametrize("mode", JIT_MODES)
+@pytest.mark.parametrize("name", INT_CODECS)
+def test_jit_path_edge_cases(mode, name):
+    block = 16
+    x = torch.zeros(5 * block + 3)  # a partial last block
+    x[block : 2 * block] = -0.0  # a block of -0.0: absmax 0, scale 0
+    x[2 * block : 3 * block] = torch.tensor([1e-45, -1e-45, 2.0**-100, -(2.0**-120)] * 4)
+    x[3 * block : 4 * block] = torch.linspace(-1.7e38, 1.7e38, block)
+    qmax = quantize.QMAX[quantize.BITS[name]]  # scale 1 below: x * inv = x, exact ties
+    ties = [qmax, -0.5, 0.5] + [(k % qmax + 0.5) * (-1) ** k for k in range(block - 3)]
+    x[4 * block : 5 * block] = torch.tensor(ties)
+    x[-3:] = torch.tensor([-0.0, 3.0, -1.0])
+    spec = CodecSpec(name, block)
+    a, b = _both(lambda: encode(x, spec), mode)
+    assert a == b
+    da, db = _both(lambda: decode(a), mode)
+    assert _same_floats(da, db)
+    a, b = _both(lambda: encode(x[:7], spec), mode)  # only a partial block
+    assert a == b
+
+
+def test_eager_int2_rounds_ties_away_from_zero():
+    """int2 rounds q + 1 half to even, so +-0.5 (scale units) lands on +-1, not 0; the
+    kernels reproduce it (test_jit_path_edge_cases)."""
+    y = decode(
+        encode(torch.tensor([1.0, -0.5, 0.5, 0.25, -0.25, 0.0, 0.75, -1.0]), CodecSpec("int2", 8))
+    )
+    assert y.tolist() == [1.0, -1.0, 1.0, 0.0, 0.0, 0.0, 1.0, -1.0]
+
+
+@needs_jit
+@pytest.mark.parametrize("mode", JIT_MODES)
+@pytest.mark.parametrize("name", INT_CODECS)
+@pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
+def test_jit_path_refuses_nan_and_inf_like_eager(mode, name, bad):
+    for where in (0, 130, 299, 300 + 17):
+        x = _tensor((320,), 4, 0.0)
+        x[where] = bad
+        x[200] = math.inf if math.isnan(bad) else math.nan  # another bad block
+        errors = []
+        for path, m in (("eager", "serial"), ("jit", mode)):
+            with _path(path, m), pytest.raises(CodecError) as err:
+                encode(x, CodecSpec(name, 128))
+            errors.append((err.value.field, str(err.value)))
+        assert errors[0] == errors[1] and errors[0][0] == "tensor"
+
+
+@needs_jit
+@pytest.mark.skipif(
+    torch.backends.cpu.get_cpu_capability() == "DEFAULT", reason="torch rounds x * inv first"
+)
+def test_jit_rounds_the_exact_product_like_torch():
+    """A value whose x * inv rounds to a tie in float32: both paths round the exact product."""
+    absmax, v, q = quantize._WITNESS
+    assert quantize.eager_rounds_exactly()
+    for block in (8, 24, 128):  # all vectorized, vectorized + scalar tail, all scalar in torch
+        x = torch.full((block,), v)
+        x[0] = absmax
+        a, b = _both(lambda x=x, block=block: encode(x, CodecSpec("int8", block)))
+        assert a == b
+        assert set(struct.unpack_from(f"<{block - 1}b", a, len(a) - block + 1)) == {q}
+
+
+def test_auto_path_takes_the_kernels_from_the_threshold_on(monkeypatch):
+    monkeypatch.setattr(quantize, "JIT", "auto")
+    monkeypatch.setattr(quantize, "JIT_MIN_VALUES", 100)
+    assert quantize._use_jit(99) is None
+    assert quantize._use_jit(100) is quantize.jit_kernels()
+    monkeypatch.setattr(quantize, "JIT", "eager")
+    assert quantize._use_jit(10**9) is None
+
+
+@pytest.mark.parametrize("how", ["env", "no numba"])
+def test_without_the_kernels_the_eager_path_runs_silently(how, monkeypatch):
+    x = _tensor((5000,), 6, 0.0)
+    with _path("eager"):
+        expected = {n: encode(x, CodecSpec(n)) for n in INT_CODECS}
+    monkeypatch.setattr(quantize, "_kernels_state", "unloaded")
+    monkeypatch.setattr(quantize, "_kernels", None)
+    if how == "env":
+        monkeypatch.setenv("DDILOCO_NO_JIT", "1")
+    else:
+        monkeypatch.setitem(sys.modules, "numba", None)  # import numba raises ImportError
+        monkeypatch.delitem(sys.modules, "ddiloco.core.quantize_jit", raising=False)
+    monkeypatch.setattr(quantize, "JIT", "auto")
+    assert quantize.jit_kernels() is None
+    for n in INT_CODECS:
+        assert encode(x, CodecSpec(n)) == expected[n]
+        assert torch.equal(decode(expected[n]), decode(expected[n]))
+    monkeypatch.setattr(quantize, "JIT", "jit")
+    with pytest.raises(ImportError):
+        encode(x, CodecSpec("int4"))
+
+
+@needs_jit
+def test_unwritable_numba_cache_only_costs_a_compile(tmp_path):
+    """No writable cache directory at all: the kernels compile per process, silently."""
+    script = (
+        "import torch, ddiloco.core.quantize as q\n"
+        "from ddiloco.core.codec import CodecSpec, encode, decode\n"
+        "x = torch.randn(5000)\n"
+        "q.JIT = 'eager'; a = encode(x, CodecSpec('int4'))\n"
+        "q.JIT = 'jit'; b = encode(x, CodecSpec('int4'))\n"
+        "assert a == b and torch.equal(decode(a), decode(b)), 'paths differ'\n"
+        "print('ok')\n"
+    )
+    env = dict(os.environ, NUMBA_CACHE_DIR="/proc/ddiloco-no-such-dir")
+    env["NUMBA_CACHE_LOCATOR_CLASSES"] = "UserProvidedCacheLocator"
+    env.pop("DDILOCO_NO_JIT", None)
+    done = subprocess.run(
+        [sys.executable, "-W", "error", "-c", script],
+        env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path,
+    )  # fmt: skip
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+    assert "Warning" not in done.stderr, done.stderr[-3000:]
+
+
+@needs_jit
+def test_jit_path_from_concurrent_threads():
+    """Kernels release the GIL; concurrent callers get the same bytes (one launches the
+    parallel kernel at a time, the others run serially)."""
+    xs = [_tensor((3000,), s, 0.0) for s in range(4)]
+    with _path("eager"):
+        expected = [encode(x, CodecSpec("int4", 16)) for x in xs]
+    bad = []
+
+    def work(k):
+        for r in range(30):
+            i = (k + r) % len(xs)
+            payload = encode(xs[i], CodecSpec("int4", 16))
+            if payload != expected[i] or not _same_floats(decode(payload), decode(expected[i])):
+                bad.append((k, r))
+
+    with _path("jit", "parallel"):
+        threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    assert not bad

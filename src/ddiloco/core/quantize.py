@@ -8,12 +8,21 @@ over cache-sized chunks with preallocated buffers and as few passes as possible;
 ``benchmarks/bench_codec.py``. Pure: no I/O, no clock, randomness only from the caller's
 generator.
 
+Fast path. Where numba imports (and ``DDILOCO_NO_JIT=1`` is not set), deterministic int
+quantization and all int decoding run as fused kernels instead, one pass over the values
+each (:mod:`ddiloco.core.quantize_jit`; about twice the eager speed). They give the same
+bytes and the same decoded values bit for bit, and are only used where torch's own
+rounding was checked to match them (:func:`eager_rounds_exactly`); every check and the
+scale arithmetic stay here, shared. Stochastic rounding stays eager. ``JIT`` forces either
+path (tests, benchmarks).
+
 Scheme. Values are cut into blocks of ``block_size`` (the last one zero-padded). A block's
 scale is ``s = max(absmax, TINY) / qmax`` (exactly 0 for an all-zero block) and a value ``x``
 becomes the integer ``q = round(x / s)`` in ``[-qmax, qmax]`` and decodes to ``q * s``.
-Codes as stored: int8 ``q`` in two's complement (qmax 127); int4 ``q + 8`` (qmax 7); int2
-``q + 1`` (qmax 1); int1 one bit, 1 for ``x >= 0`` (zero of either sign counts as +1) and 0
-for negative, decoding to ``+s`` / ``-s`` with ``s = absmax``.
+Rounding is half to even on ``x / s + offset``, so for int2 (offset 1) ties at ``x = ±s/2``
+go away from zero, to ±1. Codes as stored: int8 ``q`` in two's complement (qmax 127); int4
+``q + 8`` (qmax 7); int2 ``q + 1`` (qmax 1); int1 one bit, 1 for ``x >= 0`` (zero of
+either sign counts as +1) and 0 for negative, decoding to ``+s`` / ``-s``, ``s = absmax``.
 
 Layout. With ``k = 8 // bits`` codes per byte, byte ``j`` of a block holds the codes of
 values ``j + i * block_size // k`` at bit offset ``bits * i`` (i = 0..k-1): "planar within
@@ -22,8 +31,12 @@ a block", so packing and unpacking touch contiguous runs instead of interleaved 
 
 from __future__ import annotations
 
+import importlib
 import math
+import os
 import threading
+from types import ModuleType
+from typing import Literal
 
 import numpy as np
 import numpy.typing as npt
@@ -52,6 +65,17 @@ CHUNK_VALUES = 1 << 20
 FloatArray = npt.NDArray[np.float32]
 ByteArray = npt.NDArray[np.uint8]
 
+# Which loops run: "auto" takes the numba kernels where available for tensors of at least
+# JIT_MIN_VALUES values; "jit" and "eager" force one (tests, benchmarks; "jit" raises
+# ImportError without numba). Measured on 2 cores, an int4 encode_into + decode(out) round
+# trip costs 170-280 us with the kernels and 360-450 us eager from 64 to 64K values (mostly
+# per-call overhead; the kernels cut the torch calls), so no size is better off eager. The
+# kernels' one-time cost is per process: importing numba and loading the cached kernels
+# (about 1 s), or compiling them where no cache exists yet (0.5-2 s per codec, direction
+# and serial/parallel variant; 14 s for all 16).
+JIT: Literal["auto", "jit", "eager"] = "auto"
+JIT_MIN_VALUES = 0
+
 # Per-thread scratch buffers, reused across calls: a fresh multi-MB buffer costs a page
 # fault per 4 KiB on first touch, which is as slow as the quantization itself. Holds a few
 # chunks' worth (about 10 MiB, 15 with stochastic rounding) per thread that ever ran a
@@ -68,6 +92,62 @@ def scratch(key: str, shape: tuple[int, ...], dtype: torch.dtype = torch.float32
         buf = torch.empty(numel, dtype=dtype)
         pool[key] = buf
     return buf[:numel].view(shape)
+
+
+_kernels: ModuleType | None = None
+_kernels_state = "unloaded"  # "unloaded", "ok", "off"
+
+
+def jit_kernels() -> ModuleType | None:
+    """The numba kernels module, or None: numba missing, ``DDILOCO_NO_JIT=1``, or torch's
+    eager rounding differs from the kernels' on this machine (then the eager path stays
+    the only one, so the bytes never depend on whether numba is installed)."""
+    global _kernels, _kernels_state
+    if _kernels_state == "unloaded":
+        kernels = _import_kernels()
+        if kernels is not None and not eager_rounds_exactly():
+            kernels = None
+        _kernels, _kernels_state = kernels, ("ok" if kernels is not None else "off")
+    return _kernels
+
+
+def _import_kernels() -> ModuleType | None:
+    if os.environ.get("DDILOCO_NO_JIT", "") not in ("", "0"):
+        return None
+    try:
+        return importlib.import_module("ddiloco.core.quantize_jit")
+    except Exception:  # numba missing, or broken against this numpy: stay eager, silently
+        return None
+
+
+# A block whose value x has x * inv (inv = float32(127) / absmax) so close to a half-integer
+# that rounding the float32 product first lands on the other integer: -112 instead of the
+# exact product's -113.
+_WITNESS = (float.fromhex("0x1.448a1cp+0"), float.fromhex("-0x1.1f7c5cp+0"), -113)
+
+
+def eager_rounds_exactly() -> bool:
+    """Whether torch's ``MAGIC + x * inv`` rounds the exact product, as the numba kernels do.
+
+    It does where its kernels compile to a fused multiply-add (x86 AVX2 builds, in the
+    vectorized body and the scalar tail of a row alike); it does not under
+    ``ATEN_CPU_CAPABILITY=default``, which rounds ``x * inv`` to float32 first.
+    """
+    absmax, x, q = _WITNESS
+    block = torch.full((40,), x)
+    block[0] = absmax
+    scales, packed = torch.empty(1), torch.empty((1, 40), dtype=torch.uint8)
+    _quantize_eager(block, 8, 40, scales, packed, None)
+    return bool((packed[0, 1:].view(torch.int8) == q).all())
+
+
+def _use_jit(numel: int) -> ModuleType | None:
+    if JIT == "eager" or (JIT == "auto" and numel < JIT_MIN_VALUES):
+        return None
+    kernels = jit_kernels()
+    if kernels is None and JIT == "jit":
+        raise ImportError("quantize.JIT = 'jit' but the numba kernels are not available")
+    return kernels
 
 
 def packed_bytes_per_block(bits: int, block_size: int) -> int:
@@ -165,20 +245,13 @@ def quantize_into(
 
     ``generator`` set means stochastic rounding. Raises :class:`CodecError` on NaN/Inf.
     """
-    n, bs, nb = flat.numel(), block_size, scales.numel()
-    if nb == 0:
+    if scales.numel() == 0:
         return
-    mb = _blocks_per_chunk(bs, nb)
-    enc = _Encoder(mb, bits, bs, generator)
-    for b0 in range(0, nb, mb):
-        b1 = min(nb, b0 + mb)
-        if b1 * bs <= n:
-            x = flat[b0 * bs : b1 * bs].view(b1 - b0, bs)
-        else:  # the chunk that ends in the partial block: zero-pad a copy of it
-            x = scratch("q.x", (mb, bs))[: b1 - b0]
-            x.view(-1)[n - b0 * bs :].zero_()
-            x.view(-1)[: n - b0 * bs].copy_(flat[b0 * bs :])
-        enc.run(x, scales[b0:b1], packed[b0:b1])
+    kernels = _use_jit(flat.numel()) if generator is None else None
+    if kernels is not None:
+        _quantize_jit(kernels, flat, bits, block_size, scales, packed)
+    else:
+        _quantize_eager(flat, bits, block_size, scales, packed, generator)
     # ``scales`` holds each block's absmax: check it, then turn it into the scale in place.
     sc: FloatArray = scales.numpy()
     if not math.isfinite(float(sc.max())):
@@ -195,6 +268,59 @@ def quantize_into(
         raise CodecError("tensor", f"block {bad}", why)
 
 
+def _quantize_eager(
+    flat: torch.Tensor,
+    bits: int,
+    bs: int,
+    scales: torch.Tensor,
+    packed: torch.Tensor,
+    generator: torch.Generator | None,
+) -> None:
+    """The torch loops: codes into ``packed``, each block's absmax (NaN/Inf too) into ``scales``."""
+    n, nb = flat.numel(), scales.numel()
+    mb = _blocks_per_chunk(bs, nb)
+    enc = _Encoder(mb, bits, bs, generator)
+    for b0 in range(0, nb, mb):
+        b1 = min(nb, b0 + mb)
+        if b1 * bs <= n:
+            x = flat[b0 * bs : b1 * bs].view(b1 - b0, bs)
+        else:  # the chunk that ends in the partial block: zero-pad a copy of it
+            x = scratch("q.x", (mb, bs))[: b1 - b0]
+            x.view(-1)[n - b0 * bs :].zero_()
+            x.view(-1)[: n - b0 * bs].copy_(flat[b0 * bs :])
+        enc.run(x, scales[b0:b1], packed[b0:b1])
+
+
+def _quantize_jit(
+    kernels: ModuleType,
+    flat: torch.Tensor,
+    bits: int,
+    bs: int,
+    scales: torch.Tensor,
+    packed: torch.Tensor,
+) -> None:
+    """:func:`_quantize_eager` with the numba kernel: the same codes and absmax, bit for bit.
+
+    float32 input goes in whole; other dtypes are converted chunk by chunk (torch's
+    conversion, as the eager path). The partial last block is zero-padded in scratch.
+    """
+    n, nb = flat.numel(), scales.numel()
+    nfull, threads = n // bs, torch.get_num_threads()
+    am = scales.numpy().view(np.int32)
+    codes: ByteArray = packed.numpy()
+    step = max(1, nfull) if flat.dtype == torch.float32 else _blocks_per_chunk(bs, nb)
+    for b0 in range(0, nfull, step):
+        b1 = min(nfull, b0 + step)
+        x = flat[b0 * bs : b1 * bs]
+        if x.dtype != torch.float32:
+            x = scratch("q.x", (step * bs,))[: (b1 - b0) * bs].copy_(x)
+        kernels.quantize(bits, x.numpy(), bs, am[b0:b1], codes[b0:b1], threads)
+    if nfull < nb:
+        pad = scratch("q.pad", (bs,)).zero_()
+        pad[: n - nfull * bs].copy_(flat[nfull * bs :])
+        kernels.quantize(bits, pad.numpy(), bs, am[nfull:], codes[nfull:], 1)
+
+
 def dequantize_into(
     packed: ByteArray,
     scales: torch.Tensor,
@@ -207,16 +333,20 @@ def dequantize_into(
     ``packed`` may be a read-only numpy view of the payload; it is only read. Codes are
     unpacked into int8 as ``q * 2**(8 - bits)`` for int4/int2 (the nibble shifted to the
     top of the byte, which sign-extends for free) and the power of two is folded into the
-    scale, exactly. Codes the encoder never produces (int8 -128, int4 nibble 0, int2 3)
-    decode to their linear value, still bounded by the scale.
+    scale, exactly. Codes the encoder never produces decode within ``QDEC`` x the scale:
+    int8 -128 to -128 s, int4 nibble 0 to -8 s, int2 code 3 to -2 s (the 2-bit field wraps).
     """
     nb, bs, n = scales.numel(), block_size, out.numel()
     if nb == 0:
         return
-    nfull, k = n // bs, 8 // bits
-    mb = _blocks_per_chunk(bs, nb)
     factor = {8: 1.0, 4: 1.0 / 16, 2: 1.0 / 64, 1: 1.0}[bits]
     sf = torch.mul(scales, factor).view(nb, 1)
+    kernels = _use_jit(n)
+    if kernels is not None:
+        _dequantize_jit(kernels, packed, sf.view(nb), bits, bs, out)
+        return
+    nfull, k = n // bs, 8 // bits
+    mb = _blocks_per_chunk(bs, nb)
     src = scratch("d.src", (mb, bs // k), torch.uint8)
     q = scratch("d.q", (mb, bs), torch.uint8)
     src_np: ByteArray = src.numpy()
@@ -249,6 +379,29 @@ def dequantize_into(
         if b1 > nfull:  # the zero-padded last block
             tail = qq[full:].view(torch.int8).to(torch.float32).mul_(sf[nfull:])
             out[nfull * bs :].copy_(tail[0, : n - nfull * bs])
+
+
+def _dequantize_jit(
+    kernels: ModuleType,
+    packed: ByteArray,
+    sf: torch.Tensor,
+    bits: int,
+    bs: int,
+    out: torch.Tensor,
+) -> None:
+    """:func:`dequantize_into`'s loops as one numba kernel, the same values bit for bit."""
+    n, nb = out.numel(), sf.numel()
+    nfull, threads = n // bs, torch.get_num_threads()
+    src = packed.view(np.int8) if bits == 8 else packed.view()
+    src.flags.writeable = False  # one compiled signature for bytes and bytearray payloads
+    sfa: FloatArray = sf.numpy()
+    outa: FloatArray = out.numpy()
+    if nfull:
+        kernels.dequantize(bits, src[:nfull], sfa[:nfull], bs, outa[: nfull * bs], threads)
+    if nfull < nb:
+        tail: FloatArray = scratch("d.tail", (bs,)).numpy()
+        kernels.dequantize(bits, src[nfull:], sfa[nfull:], bs, tail, 1)
+        outa[nfull * bs :] = tail[: n - nfull * bs]
 
 
 def _finite(chunk: torch.Tensor, zeros: torch.Tensor) -> bool:
