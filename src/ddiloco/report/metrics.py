@@ -34,12 +34,13 @@ class Progress:
         self.started = time.monotonic()
         self.learners: dict[int, str] = {}
         self.rounds = 0
-        self.last_print = 0.0
+        self.last_round = ""
 
     def __call__(self, method: str, record: dict[str, Any]) -> None:
         if method != getattr(self, "method", method):
             self.learners.clear()
             self.rounds = 0
+            self.last_round = ""
         self.method = method
         kind = record["kind"]
         if kind == "step":
@@ -56,15 +57,15 @@ class Progress:
             self._line(method, record["t"], f"learner {record['learner']} recovered from {src}")
         elif kind == "round":
             self.rounds += 1
+            self.last_round = (
+                f"last {record['answers']}/{record['asked']} answers, grace {record['grace']:.2f}s"
+            )
         elif kind == "eval":
             states = " ".join(f"{k}:{v}" for k, v in sorted(self.learners.items()))
             pct = 100.0 * record["tokens"] / self.total
-            self._line(
-                method,
-                record["t"],
-                f"tokens {record['tokens']:>9,} ({pct:5.1f}%)  "
-                f"eval loss {record['loss']:.4f}  rounds {self.rounds:>5}  {states}",
-            )
+            rounds = f"rounds {self.rounds:>5} ({self.last_round})  " if self.rounds else ""
+            text = f"tokens {record['tokens']:>9,} ({pct:5.1f}%)  eval {record['loss']:.4f}  "
+            self._line(method, record["t"], text + rounds + states)
 
     def _line(self, method: str, t: float, text: str) -> None:
         if self.quiet:
