@@ -46,12 +46,15 @@ class TrainConfig:
     grad_clip: float = 1.0
     tokens: int = 1_500_000  # total tokens trained by all learners together
     eval_every: int = 100_000  # tokens between evaluations of the global model
+    max_virtual_seconds: float = 0.0  # also stop at this virtual time (0: tokens only)
     device: str = "cpu"  # learners' device: cpu, cuda, cuda:N; the syncer stays on CPU
 
     def __post_init__(self) -> None:
         for name in ("learners", "batch_size", "tokens", "eval_every"):
             require(getattr(self, name) >= 1, f"train.{name}", getattr(self, name), "must be >= 1")
         require(self.scavenged >= 0, "train.scavenged", self.scavenged, "must be >= 0")
+        require(self.max_virtual_seconds >= 0, "train.max_virtual_seconds",
+                self.max_virtual_seconds, "must be >= 0")  # fmt: skip
         require(self.lr > 0, "train.lr", self.lr, "must be > 0")
 
 

@@ -215,3 +215,11 @@ def test_lock_step_survives_a_crash_without_stalling(splits):
     assert summary["tokens"] >= 12000 and summary["ledger_balanced"]
     assert summary["virtual_seconds"] < calm["virtual_seconds"] + 3.0 + 10.0
     assert any(r["kind"] == "step" and r["learner"] == 1 and r["t"] > 8.0 for r in records)
+
+
+def test_a_virtual_time_budget_stops_every_method(splits):
+    for method in ("decoupled", "data_parallel"):
+        summary, _ = _run_method(splits, method, "train.tokens=10000000",
+                                 "train.max_virtual_seconds=6")  # fmt: skip
+        assert 6.0 <= summary["virtual_seconds"] < 6.0 + 3.0, method
+        assert summary["tokens"] < 10_000_000

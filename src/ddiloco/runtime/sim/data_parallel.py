@@ -89,7 +89,9 @@ class DataParallelSim:
         self._eval()
         next_eval = t.eval_every
         steps = 0
-        while self.tokens < t.tokens:
+        while self.tokens < t.tokens and not (
+            t.max_virtual_seconds and self.now >= t.max_virtual_seconds
+        ):
             step = max(self.step_times.sample(m) for m in self.live) + self._allreduce_seconds()
             due = [e for e in events if e.at < self.now + step]
             back = [r for r in returns if r[0] < self.now + step]

@@ -161,7 +161,8 @@ class FragmentSim(FaultHandlers):
         self.at_boundary(node)
         if self.tokens >= self.next_eval:
             self.evaluate()
-        if self.tokens >= self.config.train.tokens:
+        limit = self.config.train.max_virtual_seconds
+        if self.tokens >= self.config.train.tokens or (limit and now >= limit):
             self.finished = True
             return
         self.continue_or_wait(node)
