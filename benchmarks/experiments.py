@@ -103,13 +103,17 @@ def failure_sweep(tokens: int) -> list[Run]:
     """Exp. 2: equal virtual time, failure rate from none to a 1.2M-chip regime.
 
     Each learner stands for 300K chips (M = 4 at 1.2M chips); mtbi_hours per chip is swept,
-    and time_scale maps cluster seconds to demo seconds (1 demo step = 1 s stands for 10 s).
+    and time_scale = 10: one virtual second (one demo step) stands for 10 cluster seconds.
+    Not yet calibrated: here a failure takes a whole learner down for its recovery time,
+    while at scale it takes out one slice and the learner re-forms without it, so these
+    rates overstate the damage; calibrate against data-parallel's published goodput (58%
+    elastic, 27% not, at 1.2M chips) before reading a crossover off this sweep.
     """
     runs = []
     for mtbi_years in (0, 8, 4, 2, 1):
         gen = [] if mtbi_years == 0 else [
             f"chaos_gen.mtbi_hours={mtbi_years * 8766}", "chaos_gen.chips_per_learner=300000",
-            "chaos_gen.recovery_seconds=20", "chaos_gen.time_scale=0.1",
+            "chaos_gen.recovery_seconds=20", "chaos_gen.time_scale=10",
         ]  # fmt: skip
         label = "no failures" if mtbi_years == 0 else f"MTBI {mtbi_years} y/chip"
         # equal virtual time: every method stops at the time failure-free Decoupled needs
