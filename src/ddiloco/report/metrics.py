@@ -53,7 +53,10 @@ class Progress:
                 f"learner {record['learner']} crashed (down {record['duration']:.0f}s)",
             )
         elif kind == "recovered":
-            src = "syncer" if record["peer"] is None else f"peer {record['peer']}"
+            src = record.get("source") or (
+                "syncer" if record["peer"] is None else f"peer {record['peer']}"
+            )
+            self.learners[record["learner"]] = "up"
             self._line(method, record["t"], f"learner {record['learner']} recovered from {src}")
         elif kind == "round":
             self.rounds += 1

@@ -143,6 +143,9 @@ class DataParallelSim:
                 self._rollback(max(event.duration, 0.0) + dp.restart_seconds)
                 if event.kind == "leave":
                     self.live.discard(m)
+                else:  # the whole job is back, the failed replica with it
+                    self.emit({"kind": "recovered", "t": self.now, "learner": m, "peer": None,
+                               "source": "checkpoint"})  # fmt: skip
         elif event.kind == "join" and m not in self.live and self.elastic:
             self._return(m)
 
@@ -153,6 +156,8 @@ class DataParallelSim:
         if self.elastic and m not in self.live:
             self.live.add(m)
             self._pause(self.config.dp.reconfigure_seconds, "upscale")
+            self.emit({"kind": "recovered", "t": self.now, "learner": m, "peer": None,
+                       "source": "upscale"})  # fmt: skip
 
     def _rollback(self, downtime: float) -> None:
         """Non-elastic failure: everyone stops, restarts from the last checkpoint."""
