@@ -23,7 +23,7 @@ from ddiloco.core.plans import STRATEGIES
 from ddiloco.core.rounds import RoundConfig
 from ddiloco.errors import ConfigError, require
 
-METHODS = ("decoupled", "streaming", "diloco", "data_parallel", "elastic_dp")
+METHODS = ("decoupled", "decoupled_sync", "streaming", "diloco", "data_parallel", "elastic_dp")
 
 
 @dataclass(frozen=True)

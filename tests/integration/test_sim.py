@@ -170,6 +170,17 @@ def test_streaming_is_lock_step_with_every_learner(splits):
     assert summary["method"] == "streaming" and summary["ledger_balanced"]
 
 
+def test_decoupled_sync_is_the_synchronous_corner_and_idles_behind_a_straggler(splits):
+    shape = ("hardware.speed=[1.0, 1.0, 1.5]",)
+    sync, records = _run_method(splits, "decoupled_sync", *shape)
+    free, _ = _run_method(splits, "decoupled", *shape, "sync.quorum=3", "sync.grace=false")
+    rounds = [r for r in records if r["kind"] == "round"]
+    assert rounds and all(r["answers"] >= 3 for r in rounds[1:])  # K = M, RDA as configured
+    assert sync["idle_seconds"] > 0 and sync["goodput"] < free["goodput"]
+    assert free["idle_seconds"] == 0  # the same K without lock-step never waits
+    assert sync["method"] == "decoupled_sync" and sync["ledger_balanced"]
+
+
 def test_diloco_syncs_the_whole_model_at_once(splits):
     summary, records = _run_method(splits, "diloco", "sync.diloco_inner_steps=5")
     assert summary["plan"]["fragments"] == 1

@@ -29,6 +29,14 @@ def decoupled(config: RunConfig) -> SimSettings:
     return SimSettings("decoupled", config.sync, lockstep=False)
 
 
+def decoupled_sync(config: RunConfig) -> SimSettings:
+    """Decoupled DiLoCo's synchronous corner (K = M): the same fragments, weights and RDA,
+    but every merge waits for all learners and each learner waits for its merged fragment
+    tau steps after pushing it, so a straggler idles everyone (the paper's "K = 8" row)."""
+    sync = dataclasses.replace(config.sync, quorum=config.train.learners, grace=False)
+    return SimSettings("decoupled_sync", sync, lockstep=True)
+
+
 def streaming(config: RunConfig) -> SimSettings:
     """Streaming DiLoCo: same fragments, H and tau; all learners in every merge (K = M), a
     plain average with its own outer learning rate, and lock-step per fragment."""
@@ -62,6 +70,7 @@ def diloco(config: RunConfig) -> SimSettings:
 
 FRAGMENT_STRATEGIES: dict[str, Callable[[RunConfig], SimSettings]] = {
     "decoupled": decoupled,
+    "decoupled_sync": decoupled_sync,
     "streaming": streaming,
     "diloco": diloco,
 }
