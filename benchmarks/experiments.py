@@ -12,6 +12,9 @@ machine slow each other down many times over.
 from __future__ import annotations
 
 import argparse
+import itertools
+import json
+import math
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -84,19 +87,13 @@ def rda(tokens: int) -> list[Run]:
 
 
 def scavenging(tokens: int) -> list[Run]:
-    """Exp. 7: temporary learners joining mid-run (virtual time to the same tokens)."""
-    base = [f"train.tokens={tokens}", f"train.eval_every={tokens // 5}", "chaos=[]",
-            "methods=['decoupled']"]  # fmt: skip
-    return [
-        ("4 learners", base),
-        (
-            "4 + 2 scavenged from t=60",
-            [*base, "train.scavenged=2", "chaos_gen.scavenge_join_at=60"],
-        ),
-        (
-            "4 + 4 scavenged from t=60",
-            [*base, "train.scavenged=4", "chaos_gen.scavenge_join_at=60"],
-        ),
+    """Exp. 7: temporary learners that join at t = 30 and leave at t = 90 (+25/50/100% compute
+    for a while): virtual time to the baseline's final eval loss."""
+    base = [f"train.tokens={tokens}", f"train.eval_every={tokens // 20}", "chaos=[]",
+            "methods=['decoupled']", "chaos_gen.scavenge_join_at=30",
+            "chaos_gen.scavenge_stay=60"]  # fmt: skip
+    return [("4 learners", base)] + [
+        (f"4 + {n} scavenged, t=30..90", [*base, f"train.scavenged={n}"]) for n in (1, 2, 4)
     ]
 
 
@@ -135,6 +132,36 @@ def failure_sweep(tokens: int) -> list[Run]:
     return runs
 
 
+def plot_failure_sweep(directories: dict[int, Path], out: Path) -> Path:
+    """Eval loss and goodput of every method against the failure rate (chips at 1 y MTBI)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_loss, ax_good) = plt.subplots(1, 2, figsize=(10, 4))
+    by_method: dict[str, list[tuple[int, float, float]]] = {}
+    for chips, directory in sorted(directories.items()):
+        summary = json.loads((directory / "summary.json").read_text(encoding="utf-8"))
+        for method, s in summary["methods"].items():
+            by_method.setdefault(method, []).append((chips, s["eval_loss"], s["goodput"]))
+    for method, points in by_method.items():
+        x = [c / 1e6 for c, _, _ in points]
+        ax_loss.plot(x, [loss for _, loss, _ in points], "o-", label=method)
+        ax_good.plot(x, [100 * g for _, _, g in points], "o-", label=method)
+    ax_good.plot([1.2], [58], "k^", label="paper: elastic DP at 1.2M")
+    ax_good.plot([1.2], [27], "kv", label="paper: DP at 1.2M")
+    ax_loss.set(xlabel="cluster size (M chips, per-chip MTBI 1 year)", ylabel="eval loss (nats)",
+                title="equal virtual time")  # fmt: skip
+    ax_good.set(xlabel="cluster size (M chips, per-chip MTBI 1 year)", ylabel="goodput (%)")
+    ax_loss.legend()
+    ax_good.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
 EXPERIMENTS: dict[str, Callable[[int], list[Run]]] = {
     "equal-tokens": equal_tokens,
     "failure-sweep": failure_sweep,
@@ -146,8 +173,28 @@ EXPERIMENTS: dict[str, Callable[[int], list[Run]]] = {
 }
 
 
+# experiments whose table adds the virtual time to reach the first run's final eval loss
+TARGETED = {"scavenging"}
+
+
+def eval_curve(directory: Path, method: str) -> list[tuple[float, float]]:
+    """(virtual time, eval loss) of one method, from a run directory's metrics.jsonl."""
+    with open(directory / "metrics.jsonl", encoding="utf-8") as f:
+        records = [json.loads(line) for line in f]
+    return [(r["t"], r["loss"]) for r in records if r["kind"] == "eval" and r["method"] == method]
+
+
+def time_to(curve: list[tuple[float, float]], target: float) -> float:
+    """First virtual time the eval loss reaches ``target``, linear between evaluations."""
+    for (t0, l0), (t1, l1) in itertools.pairwise(curve):
+        if l1 <= target:
+            return t1 if l0 == l1 else t0 + (t1 - t0) * (l0 - target) / (l0 - l1)
+    return math.inf
+
+
 def run_all(name: str, tokens: Sequence[int], seeds: Sequence[int], out: Path) -> str:
     rows: dict[tuple[int, str, str], list[dict[str, Any]]] = {}
+    targets: dict[tuple[int, int], float] = {}
     for n in tokens:
         for label, overrides in EXPERIMENTS[name](n):
             for seed in seeds:
@@ -155,11 +202,15 @@ def run_all(name: str, tokens: Sequence[int], seeds: Sequence[int], out: Path) -
                 directory = out / name / f"{n}-{label.replace(' ', '_').replace(',', '')}-s{seed}"
                 started = time.monotonic()
                 for s in train(config, directory, quiet=True):
+                    targets.setdefault((n, seed), s["eval_loss"])
+                    s["to_target"] = time_to(eval_curve(directory, s["method"]), targets[n, seed])
                     rows.setdefault((n, label, s["method"]), []).append(s)
                 print(f"  {n:>9,} tokens  {label:<28} seed {seed}  "
                       f"{time.monotonic() - started:6.0f} s", flush=True)  # fmt: skip
     lines = ["| tokens | run | method | eval loss (mean ± spread) | goodput | virtual s | "
              "peak B/step |", "|---|---|---|---|---|---|---|"]  # fmt: skip
+    if name in TARGETED:
+        lines = [lines[0] + " virtual s to the first run's loss |", lines[1] + "---|"]
     for (n, label, method), summaries in rows.items():
         losses = [s["eval_loss"] for s in summaries]
         spread = (max(losses) - min(losses)) / 2 if len(losses) > 1 else 0.0
@@ -169,6 +220,16 @@ def run_all(name: str, tokens: Sequence[int], seeds: Sequence[int], out: Path) -
             f"{statistics.mean(s['goodput'] for s in summaries):.1%} | "
             f"{statistics.mean(s['virtual_seconds'] for s in summaries):.0f} | {peak} |"
         )
+        if name in TARGETED:
+            lines[-1] += " " + " / ".join(f"{s['to_target']:.0f}" for s in summaries) + " |"
+    if name == "failure-sweep":
+        for n in tokens:
+            for seed in seeds:
+                dirs = {chips: out / name / f"{n}-{chips // 1000}K_chips-s{seed}"
+                        for chips in SWEEP_CHIPS}  # fmt: skip
+                dirs[0] = out / name / f"{n}-no_failures-s{seed}"
+                png = plot_failure_sweep(dirs, out / name / f"failure-sweep-{n}-s{seed}.png")
+                lines.append(f"\nplot: {png}")
     return "\n".join(lines)
 
 
