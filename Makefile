@@ -30,6 +30,7 @@ test: install lint
 bench: install
 	$(BIN)/python benchmarks/bench_merge.py
 	$(BIN)/python benchmarks/bench_codec.py
+	$(BIN)/python benchmarks/bench_simulate.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .mypy_cache .ruff_cache
