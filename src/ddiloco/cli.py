@@ -7,13 +7,15 @@ import sys
 from collections.abc import Sequence
 
 from ddiloco import __version__
-from ddiloco.commands import bandwidth, compare, plan, simulate, train
+from ddiloco.commands import bandwidth, compare, learner, plan, simulate, syncer, train
 from ddiloco.errors import DDiLoCoError
 
 COMMANDS = {
     "train": (train, "train with Decoupled DiLoCo and baselines (no arguments: the demo)"),
     "compare": (compare, "print and plot several run directories side by side"),
     "plan": (plan, "show a model's fragment plan: tensors, bytes, imbalance, bytes per step"),
+    "syncer": (syncer, "run the CPU syncer service of a real-processes run"),
+    "learner": (learner, "run one learner process of a real-processes run"),
     "simulate": (simulate, "cluster goodput simulator: DP, elastic DP, Decoupled, 150K-2.4M chips"),
     "bandwidth": (bandwidth, "WAN bandwidth each method needs for a target compute utilization"),
 }

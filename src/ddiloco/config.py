@@ -8,8 +8,6 @@ wrong types are refused with the dotted key named, so a typo never silently runs
 from __future__ import annotations
 
 import dataclasses
-import tomllib
-import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,7 +19,8 @@ from ddiloco.core.grace import GraceConfig
 from ddiloco.core.outer import OuterConfig
 from ddiloco.core.plans import STRATEGIES
 from ddiloco.core.rounds import RoundConfig
-from ddiloco.errors import ConfigError, require
+from ddiloco.errors import require
+from ddiloco.typed_toml import build, read_toml, set_override
 
 METHODS = ("decoupled", "decoupled_sync", "streaming", "diloco", "data_parallel", "elastic_dp")
 
@@ -149,6 +148,29 @@ class DPConfig:
 
 
 @dataclass(frozen=True)
+class ProcessesConfig:
+    """The real-processes runtime (``runtime = "processes"``): wall-clock seconds."""
+
+    bind: str = "127.0.0.1:0"  # the syncer's HOST:PORT (port 0: a free one); loopback default
+    restart: bool = True  # restart a learner process that dies (it recovers from a peer)
+    restart_delay_seconds: float = 1.0
+    detect_seconds: float = 5.0  # silence after which the syncer gives a learner up
+    journal: bool = False  # keep every merge's inputs on disk (audits, tests)
+    max_wall_seconds: float = 3600.0  # the launcher stops everything after this
+    proxy: str = ""  # faults between learners and syncer, e.g. "drop=0.02,corrupt=0.01"
+    ranks: int = 1  # data-parallel ranks per learner (torchrun; only rank 0 talks)
+
+    def __post_init__(self) -> None:
+        for name in ("restart_delay_seconds", "detect_seconds", "max_wall_seconds"):
+            value = getattr(self, name)
+            require(value > 0, f"processes.{name}", value, "must be > 0")
+        require(self.ranks >= 1, "processes.ranks", self.ranks, "must be >= 1")
+
+
+RUNTIMES = ("sim", "processes")
+
+
+@dataclass(frozen=True)
 class RunConfig:
     name: str = "demo"
     runtime: str = "sim"
@@ -161,12 +183,13 @@ class RunConfig:
     hardware: HardwareConfig = field(default_factory=HardwareConfig)
     network: NetworkConfig = field(default_factory=NetworkConfig)
     dp: DPConfig = field(default_factory=DPConfig)
+    processes: ProcessesConfig = field(default_factory=ProcessesConfig)
     chaos: tuple[ChaosEvent, ...] = ()  # explicit events
     chaos_gen: ChaosGenerators = field(default_factory=ChaosGenerators)
     chaos_plan: str = ""  # replay: a chaos_plan.json from an earlier run (generators off)
 
     def __post_init__(self) -> None:
-        require(self.runtime == "sim", "runtime", self.runtime, "only 'sim' is available yet")
+        require(self.runtime in RUNTIMES, "runtime", self.runtime, f"known: {RUNTIMES}")
         for m in self.methods:
             require(m in METHODS, "methods", m, f"known: {', '.join(METHODS)}")
         require(
@@ -191,64 +214,12 @@ class RunConfig:
         )
 
 
-def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
-    hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
-    for key in data:
-        if key not in names:
-            raise ConfigError(f"{prefix}{key}", data[key], f"unknown key; known: {sorted(names)}")
-    kwargs = {k: _coerce(hints[k], v, f"{prefix}{k}") for k, v in data.items()}
-    return cls(**kwargs)
-
-
-def _coerce(hint: Any, value: Any, key: str) -> Any:
-    origin = typing.get_origin(hint)
-    if dataclasses.is_dataclass(hint):
-        if not isinstance(value, dict):
-            raise ConfigError(key, value, "expected a table")
-        return _build(hint, value, key + ".")
-    if origin is tuple:
-        (item, *_rest) = typing.get_args(hint)
-        if not isinstance(value, list | tuple):
-            raise ConfigError(key, value, "expected a list")
-        return tuple(_coerce(item, v, f"{key}[{i}]") for i, v in enumerate(value))
-    if origin in (types.UnionType, typing.Union):
-        return value
-    if hint is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if hint in (int, float, str, bool) and (
-        not isinstance(value, hint) or (hint is int and isinstance(value, bool))
-    ):
-        raise ConfigError(key, value, f"expected {hint.__name__}")
-    return value
-
-
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:
     """Defaults, then the TOML file, then ``key=value`` overrides (values parsed as TOML)."""
-    data: dict[str, Any] = {}
-    if path is not None:
-        try:
-            data = tomllib.loads(Path(path).read_text(encoding="utf-8"))
-        except FileNotFoundError:
-            raise ConfigError("config", str(path), "no such file") from None
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError("config", str(path), f"invalid TOML: {exc}") from None
+    data: dict[str, Any] = read_toml(path) if path is not None else {}
     for item in overrides or []:
-        key, sep, raw = item.partition("=")
-        if not sep or not key.strip():
-            raise ConfigError("--set", item, "expected key=value")
-        try:
-            value = tomllib.loads(f"v = {raw}")["v"]
-        except tomllib.TOMLDecodeError:
-            value = raw  # a bare word is a string
-        node = data
-        parts = key.strip().split(".")
-        for part in parts[:-1]:
-            node = node.setdefault(part, {})
-            if not isinstance(node, dict):
-                raise ConfigError("--set", item, f"{part} is not a table")
-        node[parts[-1]] = value
-    return typing.cast(RunConfig, _build(RunConfig, data, ""))
+        set_override(data, item)
+    return typing.cast(RunConfig, build(RunConfig, data))
 
 
 def to_toml(config: RunConfig) -> str:

@@ -11,13 +11,13 @@ Pure data: no numpy, no torch.
 from __future__ import annotations
 
 import dataclasses
-import tomllib
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ddiloco.errors import ConfigError, require
+from ddiloco.errors import require
+from ddiloco.typed_toml import build, read_toml, set_override
 
 HOURS_PER_YEAR = 8760.0
 DECOUPLED_RECOVERY = ("reform", "restart")
@@ -239,23 +239,10 @@ def load_params(
         require(preset in PRESETS, "preset", preset, f"known: {', '.join(PRESETS)}")
         _merge(data, PRESETS[preset])
     if path is not None:
-        try:
-            _merge(data, tomllib.loads(Path(path).read_text(encoding="utf-8")))
-        except FileNotFoundError:
-            raise ConfigError("config", str(path), "no such file") from None
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError("config", str(path), f"invalid TOML: {exc}") from None
+        _merge(data, read_toml(path))
     for item in overrides or []:
-        key, sep, raw = item.partition("=")
-        parts = key.strip().split(".")
-        if not sep or len(parts) != 2 or not all(parts):
-            raise ConfigError("--set", item, "expected section.key=value")
-        try:
-            value = tomllib.loads(f"v = {raw}")["v"]
-        except tomllib.TOMLDecodeError:
-            value = raw  # a bare word is a string
-        data.setdefault(parts[0], {})[parts[1]] = value
-    return typing.cast(ClusterParams, _build(ClusterParams, data, ""))
+        set_override(data, item, depth=2)
+    return typing.cast(ClusterParams, build(ClusterParams, data))
 
 
 def replace(params: ClusterParams, section: str, **changes: Any) -> ClusterParams:
@@ -270,33 +257,6 @@ def _merge(into: dict[str, Any], data: dict[str, Any]) -> None:
             _merge(into[key], value)
         else:
             into[key] = dict(value) if isinstance(value, dict) else value
-
-
-def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
-    if not isinstance(data, dict):
-        raise ConfigError(prefix.rstrip(".") or "config", data, "expected a table")
-    hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
-    kwargs: dict[str, Any] = {}
-    for key, value in data.items():
-        if key not in names:
-            raise ConfigError(f"{prefix}{key}", value, f"unknown key; known: {sorted(names)}")
-        kwargs[key] = _coerce(hints[key], value, f"{prefix}{key}")
-    return cls(**kwargs)
-
-
-def _coerce(hint: Any, value: Any, key: str) -> Any:
-    if dataclasses.is_dataclass(hint):
-        return _build(typing.cast(type, hint), value, key + ".")
-    if typing.get_origin(hint) is tuple:
-        if not isinstance(value, list | tuple):
-            raise ConfigError(key, value, "expected a list")
-        return tuple(_coerce(int, v, f"{key}[{i}]") for i, v in enumerate(value))
-    if hint is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if not isinstance(value, hint) or (hint is not bool and isinstance(value, bool)):
-        raise ConfigError(key, value, f"expected {hint.__name__}")
-    return value
 
 
 def _positive(obj: Any, section: str, names: tuple[str, ...]) -> None:

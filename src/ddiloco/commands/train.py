@@ -48,6 +48,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, help="override the config's seed")
     parser.add_argument("--out", help="run directory (default: runs/<name>-<time>)")
     parser.add_argument("--quiet", action="store_true", help="no live progress lines")
+    parser.add_argument(
+        "--runtime",
+        choices=("sim", "processes"),
+        help="sim: simulated clock; processes: a syncer and learners as OS processes",
+    )
 
 
 def resolve(args: argparse.Namespace) -> RunConfig:
@@ -57,6 +62,18 @@ def resolve(args: argparse.Namespace) -> RunConfig:
         config = dataclasses.replace(config, chaos=DEMO_CHAOS)
     if args.seed is not None:
         config = dataclasses.replace(config, seed=args.seed)
+    if getattr(args, "runtime", None):
+        config = dataclasses.replace(config, runtime=args.runtime)
+    if config.runtime == "processes":
+        from ddiloco.runtime.processes.setup import PROCESS_METHODS
+
+        kept = tuple(m for m in config.methods if m in PROCESS_METHODS)
+        if kept != config.methods:
+            print(
+                f"runtime processes: running {kept or PROCESS_METHODS}; the other methods "
+                "run on the simulated clock (--runtime sim), compare with ddiloco compare"
+            )
+        config = dataclasses.replace(config, methods=kept or PROCESS_METHODS)
     return config
 
 
@@ -94,7 +111,12 @@ def train(config: RunConfig, out: Path, quiet: bool = False) -> list[dict[str, A
                 progress(method, record)
 
             started = time.monotonic()
-            summary = run_method(config, method, splits, evals, emit)
+            if config.runtime == "processes":
+                from ddiloco.runtime.processes.launcher import run_processes
+
+                summary = run_processes(config, method, out, emit)
+            else:
+                summary = run_method(config, method, splits, evals, emit)
             summary["wall_seconds"] = time.monotonic() - started
             summaries.append(summary)
     finally:

@@ -1,0 +1,107 @@
+"""Learner step time with syncing on against the same loop with syncing off, in one run.
+
+A real ``ddiloco syncer`` process and one learner (this process) train a model whose step
+dominates (default gpt-4m). Blocks of ``--steps`` steps alternate: syncing off (the inner
+step only) and syncing on (the inner step plus progress report, answering asks and applying
+merged fragments: the learner process's own ``step``; encoding and sending happen in the link
+thread). Alternating blocks cancels slow drifts of a shared machine. Target: ratio <= 1.03.
+
+    .venv/bin/python benchmarks/bench_step_overhead.py --model gpt-4m --blocks 6 --steps 10
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from ddiloco.config import load_config, to_toml
+from ddiloco.runtime.processes.common import SECRET_ENV, Events
+from ddiloco.runtime.processes.launcher import free_port
+from ddiloco.runtime.processes.learner_process import LearnerProcess
+from ddiloco.runtime.processes.setup import RunSetup
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default="gpt-4m")
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--blocks", type=int, default=6, help="pairs of (off, on) blocks")
+    parser.add_argument("--steps", type=int, default=10, help="steps per block")
+    parser.add_argument("--fragments", type=int, default=12)
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    overrides = [f"model='{args.model}'", "methods=['decoupled']", "train.learners=1",
+                 f"train.batch_size={args.batch}", "train.tokens=1000000000",
+                 "train.eval_every=1000000000", f"sync.fragments={args.fragments}",
+                 f"sync.sync_every={args.fragments}", "data.eval_batches=1"]  # fmt: skip
+    config = load_config(None, overrides)
+    tmp = Path(tempfile.mkdtemp(prefix="ddiloco-bench-"))
+    (tmp / "config.toml").write_text(to_toml(config))
+    secret = os.urandom(32)
+    address = f"127.0.0.1:{free_port('127.0.0.1')}"
+    env = {**os.environ, SECRET_ENV: secret.hex()}
+    syncer = subprocess.Popen(
+        [sys.executable, "-m", "ddiloco.cli", "syncer", "--bind", address, "--config",
+         str(tmp / "config.toml"), "--run-id", "bench", "--store", str(tmp / "store")],
+        env=env, stdout=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        setup = RunSetup(config)
+        quiet = Events(time.time(), io.StringIO())
+        learner = LearnerProcess(setup, 0, address, "bench", secret, quiet)
+        learner.link.start()
+        learner.server.start()
+        learner.link.register(learner.status())
+        if not learner.link.welcomed.wait(120):
+            raise SystemExit("the syncer did not answer")
+        inner: list[float] = []  # the inner step alone, inside the syncing-on steps
+        train_step = learner.trainer.train_step
+
+        def timed_step(batches: int = 1) -> tuple[float, int]:
+            t = time.perf_counter()
+            out = train_step(batches)
+            inner.append(time.perf_counter() - t)
+            return out
+
+        learner.trainer.train_step = timed_step  # type: ignore[method-assign]
+        for _ in range(3):  # warm up both paths
+            learner.step()
+        off: list[float] = []
+        on: list[float] = []
+        for _ in range(args.blocks):
+            for _ in range(args.steps):
+                t = time.perf_counter()
+                train_step()
+                off.append(time.perf_counter() - t)
+            for _ in range(args.steps):
+                t = time.perf_counter()
+                learner.step()
+                on.append(time.perf_counter() - t)
+        merged = sum(learner.sync.versions)
+        learner.link.close(0.0)
+        learner.server.close()
+    finally:
+        syncer.terminate()
+        syncer.wait(timeout=30)
+    m_off, m_on = statistics.median(off), statistics.median(on)
+    print(f"model {args.model}, batch {args.batch}, P = H = {args.fragments}, "
+          f"{len(off)} + {len(on)} steps, merged fragment versions {merged}")  # fmt: skip
+    print(f"inner step inside the syncing-on steps: {statistics.median(inner) * 1e3:.1f} ms "
+          "(growth over 'off' is CPU/GIL contention, not work in the training loop)")  # fmt: skip
+    print(
+        f"step off {m_off * 1e3:.1f} ms (median), on {m_on * 1e3:.1f} ms: "
+        f"ratio {m_on / m_off:.3f} (mean ratio {statistics.mean(on) / statistics.mean(off):.3f})"
+    )
+
+
+if __name__ == "__main__":
+    main()

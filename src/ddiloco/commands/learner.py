@@ -1,0 +1,69 @@
+"""``ddiloco learner``: one learner process of a real-processes run.
+
+Connects to the syncer (``--syncer HOST:PORT``), serves snapshots to newcomers on
+``--peer-host`` (a free port), and trains until the syncer says stop. ``--join`` first copies
+a healthy peer's state (a restart, or scavenged compute arriving at any time);
+``--leave-after SECONDS`` goes away cleanly (SIGTERM does too).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import time
+
+from ddiloco.commands.syncer import add_common
+from ddiloco.config import load_config
+from ddiloco.errors import require
+from ddiloco.runtime.processes.common import Events, load_secret, parse_address
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--syncer", default="127.0.0.1:5555", help="HOST:PORT of the syncer")
+    parser.add_argument("--id", type=int, required=True, help="learner slot (its data shard)")
+    parser.add_argument(
+        "--join",
+        action="store_true",
+        help="recover from a healthy peer (else the syncer) before training",
+    )
+    parser.add_argument(
+        "--leave-after",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="leave cleanly after this many seconds (0: stay)",
+    )
+    parser.add_argument(
+        "--peer-host", default="127.0.0.1", help="address peers reach this learner's snapshots on"
+    )
+    parser.add_argument("--max-steps", type=int, default=0, help="stop after N steps (0: never)")
+    add_common(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from ddiloco.runtime.processes.learner_process import LearnerProcess
+    from ddiloco.runtime.processes.setup import RunSetup
+
+    torch.set_num_threads(1)
+    logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s learner {args.id} %(message)s")
+    parse_address(args.syncer, "--syncer")
+    config = load_config(args.config, list(args.set))
+    setup = RunSetup(config, args.method)
+    require(0 <= args.id < setup.slots, "--id", args.id, f"slots are 0..{setup.slots - 1}")
+    require(args.leave_after >= 0, "--leave-after", args.leave_after, "must be >= 0")
+    events = Events(args.t0 if args.t0 is not None else time.time())
+    process = LearnerProcess(
+        setup,
+        args.id,
+        args.syncer,
+        args.run_id or config.name,
+        load_secret(args.secret_file),
+        events,
+        join=args.join,
+        leave_after=args.leave_after,
+        peer_host=args.peer_host,
+        max_steps=args.max_steps,
+    )
+    return process.run()

@@ -1,0 +1,90 @@
+"""``ddiloco syncer``: the CPU syncer service of a real-processes run.
+
+Binds to loopback unless told otherwise; every frame is authenticated with the run secret
+($DDILOCO_SECRET in hex, or --secret-file). Restarted with the same --store it resumes from
+its durable state. Prints events as ``@event {json}`` lines (the launcher relays them).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import threading
+import time
+from pathlib import Path
+
+from ddiloco.config import load_config
+from ddiloco.runtime.processes.common import Events, load_secret, parse_address
+
+
+def add_common(parser: argparse.ArgumentParser) -> None:
+    """Arguments the syncer and the learners share: the run's config, id and secret."""
+    parser.add_argument("--config", help="the run's TOML config (the same file for every process)")
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a config value (repeatable)",
+    )
+    parser.add_argument("--run-id", help="the run's id, bound into every frame (default: name)")
+    parser.add_argument("--secret-file", help="the run secret (default: $DDILOCO_SECRET, hex)")
+    parser.add_argument("--method", default="decoupled", help="default: %(default)s")
+    parser.add_argument(
+        "--t0",
+        type=float,
+        default=None,
+        help="run start (epoch seconds) that event times count from",
+    )
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--bind",
+        default="127.0.0.1:5555",
+        help="HOST:PORT to listen on (default: %(default)s, loopback only)",
+    )
+    parser.add_argument("--store", help="durable state directory (default: runs/<name>-syncer)")
+    parser.add_argument("--journal", action="store_true", help="also journal every merge's inputs")
+    parser.add_argument(
+        "--detect-seconds",
+        type=float,
+        default=None,
+        help="silence before a learner is given up (default: the config's)",
+    )
+    parser.add_argument(
+        "--threads", type=int, default=1, help="torch threads for merging (default: %(default)s)"
+    )
+    add_common(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    stop = threading.Event()  # SIGTERM ends the run cleanly, with a summary
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    import torch
+
+    from ddiloco.runtime.processes.setup import RunSetup
+    from ddiloco.runtime.processes.syncer_service import SyncerService
+
+    torch.set_num_threads(max(1, args.threads))
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s syncer %(message)s")
+    parse_address(args.bind, "--bind")
+    config = load_config(args.config, list(args.set))
+    secret = load_secret(args.secret_file)
+    setup = RunSetup(config, args.method)
+    store = Path(args.store or f"runs/{config.name}-syncer")
+    events = Events(args.t0 if args.t0 is not None else time.time())
+    service = SyncerService(
+        setup,
+        args.bind,
+        args.run_id or config.name,
+        secret,
+        store,
+        events,
+        journal=args.journal or config.processes.journal,
+        detect_seconds=args.detect_seconds or config.processes.detect_seconds,
+        stop=stop,
+    )
+    service.serve()
+    return 0

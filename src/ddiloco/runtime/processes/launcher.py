@@ -1,0 +1,337 @@
+"""``ddiloco train --runtime processes``: a syncer and M learners as OS processes on this host.
+
+Owns supervision: it starts ``ddiloco syncer`` and one ``ddiloco learner`` per slot (spawned
+with ``subprocess``, never forked from a process holding torch), hands them the run secret
+in their environment (never on a command line), relays their ``@event`` lines to the run's
+metrics (so the run directory, summary and plots are the simulated clock's), restarts a
+learner that dies (it recovers from a peer) and a syncer that dies (it resumes from its
+durable store), and plays the chaos plan for real: crash = SIGKILL then restart after
+``duration``, freeze = SIGSTOP then SIGCONT, join = start a scavenged slot, leave = SIGTERM
+(a clean leave). Link faults (link_slow, link_cut) are not played yet: they are
+reported as skipped; slow = a duty cycle of SIGSTOP/SIGCONT so the slot runs 1/factor of the
+time. Event times are wall seconds since the launch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import heapq
+import itertools
+import json
+import os
+import queue
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+from typing import IO, Any
+
+from ddiloco.chaos.plan import ChaosEvent
+from ddiloco.config import RunConfig, to_toml
+from ddiloco.errors import ConfigError
+from ddiloco.runtime.processes.common import EVENT_PREFIX, SECRET_ENV, parse_address
+from ddiloco.runtime.processes.proxy import Faults
+from ddiloco.runtime.processes.setup import PROCESS_METHODS
+
+RELAYED = ("step", "eval", "round", "drop", "recovered", "detected", "joined", "left",
+           "restored", "leave", "syncer_up", "learner_up")  # fmt: skip
+SYNCER = "syncer"
+PROXY = "proxy"
+
+
+def free_port(host: str) -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+class Launcher:
+    """Starts, watches and restarts the processes of one method's run."""
+
+    def __init__(
+        self,
+        config: RunConfig,
+        method: str,
+        out: Path,
+        emit: Callable[[dict[str, Any]], None],
+    ) -> None:
+        if method not in PROCESS_METHODS:
+            raise ConfigError("methods", method, f"the processes runtime runs {PROCESS_METHODS}")
+        self.config = config
+        self.method = method
+        self.out = out
+        self.emit = emit
+        host, port = parse_address(config.processes.bind, "processes.bind")
+        self.address = f"{host}:{port or free_port(host)}"
+        self.faults = Faults.parse(config.processes.proxy) if config.processes.proxy else None
+        # learners talk to the fault-injecting proxy when there is one, else to the syncer
+        self.learner_address = f"{host}:{free_port(host)}" if self.faults else self.address
+        self.proxy_counts: dict[str, int] = {}
+        self.config_path = out / "processes" / "config.toml"
+        self.logs = out / "processes" / "logs"
+        self.logs.mkdir(parents=True, exist_ok=True)
+        self.config_path.write_text(to_toml(config), encoding="utf-8")
+        self.store = out / "processes" / "syncer_state"
+        self.run_id = f"{config.name}-{secrets.token_hex(4)}"
+        self.env = {**os.environ, SECRET_ENV: secrets.token_bytes(32).hex()}
+        self.env["PYTHONUNBUFFERED"] = "1"
+        self.t0 = time.time()
+        self.procs: dict[str, subprocess.Popen[str]] = {}
+        self.expected_exit: set[str] = set()  # killed or stopped on purpose
+        self.events: queue.SimpleQueue[tuple[str, dict[str, Any]]] = queue.SimpleQueue()
+        self._timers: list[tuple[float, int, Callable[[], None]]] = []
+        self._tie = itertools.count()
+        self.summary: dict[str, Any] | None = None
+        self.learner_done: dict[int, dict[str, Any]] = {}
+        self.restarts: dict[str, int] = {}
+        self.hooks: list[Callable[[Launcher, dict[str, Any]], None]] = []
+        self.stop_requested = False
+        self.finished = threading.Event()  # the run is over: background chaos stops
+
+    # -- processes --------------------------------------------------------------------------
+    def _common(self) -> list[str]:
+        return ["--config", str(self.config_path), "--run-id", self.run_id, "--t0",
+                repr(self.t0), "--method", self.method]  # fmt: skip
+
+    def start_syncer(self) -> None:
+        cmd = ["syncer", "--bind", self.address, "--store", str(self.store), *self._common()]
+        if self.config.processes.journal:
+            cmd.append("--journal")
+        self._spawn(SYNCER, cmd)
+
+    def start_proxy(self) -> None:
+        assert self.faults is not None
+        cmd = ["-m", "ddiloco.runtime.processes.proxy", "--listen", self.learner_address,
+               "--target", self.address, "--faults", self.config.processes.proxy,
+               "--seed", str(self.config.seed)]  # fmt: skip
+        self._spawn(PROXY, cmd)
+
+    def start_learner(self, m: int, join: bool = False) -> None:
+        cmd = ["learner", "--syncer", self.learner_address, "--id", str(m), *self._common()]
+        ranks = self.config.processes.ranks
+        if ranks > 1:  # a data-parallel learner: torchrun starts its ranks
+            cmd = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                   str(ranks), "-m", "ddiloco.cli", *cmd]  # fmt: skip
+        self._spawn(f"learner-{m}", [*cmd, "--join"] if join else cmd)
+
+    def _spawn(self, name: str, args: list[str]) -> None:
+        old = self.procs.get(name)
+        if old is not None and old.poll() is None:
+            return
+        self.expected_exit.discard(name)
+        log = (self.logs / f"{name}.log").open("a", encoding="utf-8")
+        argv = [sys.executable, *(args if args[0] == "-m" else ["-m", "ddiloco.cli", *args])]
+        proc = subprocess.Popen(argv, env=self.env, stdout=subprocess.PIPE, stderr=log, text=True,
+                                start_new_session=True)  # fmt: skip  # its own process group
+        log.close()
+        self.procs[name] = proc
+        threading.Thread(target=self._read, args=(name, proc.stdout), daemon=True).start()
+
+    def _read(self, name: str, stream: IO[str] | None) -> None:
+        assert stream is not None
+        for line in stream:
+            if line.startswith(EVENT_PREFIX):
+                with contextlib.suppress(json.JSONDecodeError):
+                    self.events.put((name, json.loads(line[len(EVENT_PREFIX) :])))
+
+    def signal(self, name: str, sig: int) -> bool:
+        """Send ``sig`` to one of our own children: its process group (which it leads), so a
+        torchrun learner's ranks get it too."""
+        proc = self.procs.get(name)
+        if proc is None or proc.poll() is not None:
+            return False
+        if sig in (signal.SIGKILL, signal.SIGTERM):
+            self.expected_exit.add(name)
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return False
+        return True
+
+    def thaw(self, name: str) -> None:
+        self.signal(name, signal.SIGCONT)
+
+    def after(self, seconds: float, action: Callable[[], None]) -> None:
+        heapq.heappush(self._timers, (time.monotonic() + seconds, next(self._tie), action))
+
+    def now(self) -> float:
+        return time.time() - self.t0
+
+    # -- chaos ------------------------------------------------------------------------------
+    def schedule_chaos(self, events: tuple[ChaosEvent, ...]) -> None:
+        for event in events:
+            self.after(max(0.0, event.at - self.now()), functools.partial(self.play, event))
+
+    def play(self, event: ChaosEvent) -> None:
+        name, m = f"learner-{event.learner}", event.learner
+        record = {"kind": "chaos", "t": self.now(), "event": event.kind, "learner": m,
+                  "duration": event.duration, "factor": event.factor}  # fmt: skip
+        if event.kind == "crash":
+            if self.signal(name, signal.SIGKILL):
+                self.after(event.duration, lambda: self.start_learner(m, join=True))
+        elif event.kind == "freeze":
+            if self.signal(name, signal.SIGSTOP):
+                self.after(event.duration, lambda: self.thaw(name))
+        elif event.kind == "join":
+            self.start_learner(m, join=True)
+        elif event.kind == "leave":
+            self.signal(name, signal.SIGTERM)
+        elif event.kind == "slow" and event.factor > 1.0:
+            threading.Thread(target=self.throttle, args=(name, event.factor, event.duration),
+                             daemon=True).start()  # fmt: skip
+        else:
+            record["skipped"] = "not played by the processes runtime yet"
+        self.emit(record)
+
+    def play_crash(self, m: int, down_seconds: float) -> float:
+        """SIGKILL learner ``m`` now and restart it (recovering from a peer) later; returns
+        the time of the kill."""
+        self.play(ChaosEvent(at=self.now(), kind="crash", learner=m, duration=down_seconds))
+        return self.now()
+
+    def throttle(self, name: str, factor: float, duration: float) -> None:
+        """A straggler: stop and continue the slot's process so it runs 1/factor of the time
+        (whichever process holds the slot, as the simulated clock slows the slot), for
+        ``duration`` seconds (0: to the end)."""
+        period = 0.2
+        stopped = period * (1.0 - 1.0 / factor)
+        end = time.monotonic() + duration if duration > 0 else float("inf")
+        while time.monotonic() < end and not self.finished.is_set():
+            if self.signal(name, signal.SIGSTOP):
+                time.sleep(stopped)
+                self.signal(name, signal.SIGCONT)
+            time.sleep(period - stopped)
+
+    def crash_syncer(self, down_seconds: float) -> None:
+        """SIGKILL the syncer and start it again (from its durable store) later."""
+        if self.signal(SYNCER, signal.SIGKILL):
+            self.emit({"kind": "chaos", "t": self.now(), "event": "syncer_crash", "learner": -1,
+                       "duration": down_seconds, "factor": 1.0})  # fmt: skip
+            self.after(down_seconds, self.start_syncer)
+
+    def request_stop(self) -> None:
+        """End the run now: the syncer evaluates, writes its summary and stops the learners.
+        (A syncer still starting dies of it and is restarted; it is asked again once up.)"""
+        self.stop_requested = True
+        proc = self.procs.get(SYNCER)
+        if proc is not None and proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGTERM)
+
+    # -- supervision ------------------------------------------------------------------------
+    def run(self) -> dict[str, Any]:
+        """Run to the end (the syncer's summary); return it, with the launcher's totals."""
+        self.start_syncer()
+        if self.faults is not None:
+            self.start_proxy()
+        for m in range(self.config.train.learners):
+            self.start_learner(m)
+        self.schedule_chaos(self.config.chaos)
+        limit = self.config.processes.max_wall_seconds
+        try:
+            while self.summary is None:
+                if self.now() > limit:
+                    raise ConfigError("processes.max_wall_seconds", limit, "the run did not end")
+                self._pump(0.05)
+                self._supervise()
+            self._wait_learners(10.0)
+        finally:
+            self.shutdown()
+        time.sleep(0.2)  # the proxy's last words: its counts
+        while not self.events.empty():
+            self._pump(0.0)
+        return self._totals(self.summary)
+
+    def _pump(self, timeout: float) -> None:
+        while self._timers and self._timers[0][0] <= time.monotonic():
+            heapq.heappop(self._timers)[2]()
+        try:
+            name, record = self.events.get(timeout=timeout)
+        except queue.Empty:
+            return
+        kind = record.get("kind")
+        if kind == "summary" and name == SYNCER:
+            self.summary = record
+        elif kind == "syncer_up" and self.stop_requested:
+            self.request_stop()
+        elif kind == "proxy":
+            self.proxy_counts = record["counts"]
+        elif kind == "learner_done":
+            self.learner_done[int(record["learner"])] = record
+        if kind in RELAYED:
+            self.emit(record)
+        for hook in self.hooks:
+            hook(self, record)
+
+    def _supervise(self) -> None:
+        for name, proc in list(self.procs.items()):
+            code = proc.poll()
+            if code is None or name in self.expected_exit or self.summary is not None:
+                continue
+            self.expected_exit.add(name)  # handled once
+            self.restarts[name] = self.restarts.get(name, 0) + 1
+            delay = self.config.processes.restart_delay_seconds
+            self.emit({"kind": "exited", "t": self.now(), "process": name, "code": code})
+            if name == SYNCER:
+                self.after(delay, self.start_syncer)
+            elif name == PROXY:
+                self.after(delay, self.start_proxy)
+            elif self.config.processes.restart and code != 0:
+                m = int(name.split("-")[1])
+                self.after(delay, functools.partial(self.start_learner, m, True))
+
+    def _wait_learners(self, seconds: float) -> None:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            if all(p.poll() is not None for n, p in self.procs.items() if n != PROXY):
+                break
+            self._pump(0.05)
+        time.sleep(0.2)  # the readers' last lines
+        while not self.events.empty():
+            self._pump(0.0)
+
+    def shutdown(self) -> None:
+        self.finished.set()
+        for name in self.procs:
+            self.signal(name, signal.SIGCONT)  # a frozen child cannot die of SIGTERM
+            self.signal(name, signal.SIGTERM)
+        for name, proc in self.procs.items():
+            try:
+                proc.wait(timeout=5.0)
+            except subprocess.TimeoutExpired:
+                self.signal(name, signal.SIGKILL)
+                proc.wait()
+
+    def _totals(self, summary: dict[str, Any] | None) -> dict[str, Any]:
+        assert summary is not None
+        out = {k: v for k, v in summary.items() if k not in ("kind", "t")}
+        tokens = max(int(out["tokens"]), 1)
+        out.update(
+            method=self.method,
+            runtime="processes",
+            virtual_seconds=float(summary["t"]),  # wall seconds on this clock
+            idle_seconds=0.0,  # learners never wait
+            token_efficiency=float(out["tokens_merged"]) / tokens,
+            bytes_peer_recovery=sum(r.get("bytes_peer", 0) for r in self.learner_done.values()),
+            bytes_per_token=(out["bytes_sent"] + out["bytes_received"]) / tokens,
+            restarts=dict(self.restarts),
+            refused_by_learners=dict(
+                sum((Counter(r.get("refused", {})) for r in self.learner_done.values()), Counter())
+            ),
+        )
+        if self.faults is not None:
+            out["proxy"] = self.proxy_counts
+        return out
+
+
+def run_processes(
+    config: RunConfig, method: str, out: Path, emit: Callable[[dict[str, Any]], None]
+) -> dict[str, Any]:
+    """One method of ``config`` as real processes; the summary the simulated engine writes."""
+    return Launcher(config, method, out, emit).run()

@@ -1,0 +1,225 @@
+"""One learner process: the training loop, with the network in background threads.
+
+Owns the order of things in a learner's life on the wall clock: recover (from a healthy
+peer's snapshot, else from the syncer's global fragments), register, then train. Every
+step: one inner step (the sim's Trainer), the core's ``LearnerSync.stepped``, a progress
+report handed to the link thread; between two steps, answer what the syncer asked (the
+core's ``answer`` snapshots the fragment, the link thread encodes and sends it), apply the
+merged fragments that arrived (the core's ``apply``), and build a snapshot if a newcomer
+asked for one. Nothing in the loop waits on a socket.
+
+Under torchrun the learner is data-parallel (:mod:`.ranks`): every rank trains on its part of
+the learner's batch with gradients averaged, and only rank 0 has the link and the snapshot
+server; at each boundary rank 0's decisions (stop, fragments to apply) reach every rank.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+from typing import Any
+
+import torch
+
+from ddiloco.core.learner_state import LearnerSync
+from ddiloco.data.corpus import BatchStream
+from ddiloco.runtime.processes.common import Events, new_session, pack_tree, unpack_tree
+from ddiloco.runtime.processes.link import SyncerLink
+from ddiloco.runtime.processes.peer import PeerError, SnapshotServer, fetch_snapshot
+from ddiloco.runtime.processes.ranks import Apply, RankGroup
+from ddiloco.runtime.processes.setup import RunSetup
+from ddiloco.runtime.processes.wire import Limits, Wire
+from ddiloco.runtime.sim.learner import Trainer
+
+log = logging.getLogger(__name__)
+
+
+class LearnerProcess:
+    """A learner slot's process: model, inner optimizer, shard, and its sync state."""
+
+    def __init__(
+        self,
+        setup: RunSetup,
+        learner: int,
+        syncer: str,
+        run_id: str,
+        secret: bytes,
+        events: Events,
+        *,
+        join: bool = False,
+        leave_after: float = 0.0,
+        peer_host: str = "127.0.0.1",
+        max_steps: int = 0,
+    ) -> None:
+        torch.set_num_threads(1)
+        config = setup.config
+        self.setup = setup
+        self.m = learner
+        self.ranks = RankGroup()
+        if not self.ranks.leader:  # only rank 0 speaks for the learner
+            events = Events(events.t0, open(os.devnull, "w"))  # noqa: SIM115
+        self.events = events
+        self.join = join
+        self.leave_after = leave_after
+        self.max_steps = max_steps
+        self.run_id = run_id
+        self.secret = secret
+        self.incarnation = new_session()
+        t = config.train
+        seed = config.seed + learner + 7919 * self.ranks.rank  # ranks draw different batches
+        stream = BatchStream(setup.splits.shards[learner], t.batch_size, setup.seq_len, seed)
+        self.trainer = Trainer(setup.model, stream, t, setup.steps_each)
+        self.ranks.average_gradients(self.trainer.model)
+        sync = setup.settings.sync
+        self.sync = LearnerSync(learner, setup.plan, self.trainer.params(),
+                                incarnation=self.incarnation, blend=sync.blend)  # fmt: skip
+        shapes = [[tuple(t.shape) for t in frag] for frag in self.sync.bases]
+        self.shapes = shapes
+        limits = Limits(max_payload=max(64 << 20, 4 * setup.plan.total_bytes))
+        wire = Wire(run_id, secret, f"L{learner}", self.incarnation, limits)
+        self.link = SyncerLink(syncer, wire, learner, sync.codec_spec(), shapes)
+        self.server = SnapshotServer(peer_host, run_id, secret, learner)
+        self.leaving = threading.Event()
+        self.started = time.monotonic()
+        self.rebased: list[int] = []
+        self.tokens = 0
+        self.bytes_peer = 0
+
+    def status(self) -> dict[str, Any]:
+        return {"inc": self.incarnation, "step": self.sync.step,
+                "versions": list(self.sync.versions), "peer": self.server.address}  # fmt: skip
+
+    # -- life -------------------------------------------------------------------------------
+    def run(self) -> int:
+        signal.signal(signal.SIGTERM, lambda *_: self.leaving.set())  # a clean leave
+        if self.ranks.leader:
+            self.link.start()
+            self.server.start()
+            if self.join:
+                self.recover()
+            else:
+                self.link.register(self.status())
+        if self.ranks.active and self.join:  # every rank starts from what rank 0 recovered
+            blob = self.ranks.share_bytes(self.snapshot() if self.ranks.leader else None)
+            if not self.ranks.leader:
+                self.load(blob)
+        self.started = time.monotonic()
+        self.events("learner_up", learner=self.m, incarnation=self.incarnation,
+                    peer=self.server.address, ranks=self.ranks.world)  # fmt: skip
+        try:
+            while self.step():
+                pass
+            if self.ranks.leader and not self.link.stopped.is_set():  # leaving on our own
+                self.link.bye()
+                self.events("leave", learner=self.m)
+        finally:
+            in_sync = self.ranks.agree(self.checksum())
+            self.events("learner_done", learner=self.m, step=self.sync.step, tokens=self.tokens,
+                        bytes_sent=self.link.bytes_sent, bytes_received=self.link.bytes_received,
+                        bytes_peer=self.bytes_peer, reconnects=self.link.reconnects,
+                        refused=dict(self.link.wire.refused), ranks=self.ranks.world,
+                        ranks_in_sync=in_sync)  # fmt: skip
+            if self.ranks.leader:
+                self.link.close()
+                self.server.close()
+            self.ranks.close()
+        return 0
+
+    def should_stop(self) -> bool:
+        """Rank 0's call: the syncer said stop, we were asked to leave, or our time is up."""
+        if self.link.stopped.is_set() or self.leaving.is_set():
+            return True
+        if self.leave_after and time.monotonic() - self.started >= self.leave_after:
+            return True
+        return bool(self.max_steps and self.sync.step >= self.max_steps)
+
+    def step(self) -> bool:
+        """One step and its boundary; False when the learner stops here."""
+        started = time.perf_counter()
+        loss, tokens = self.trainer.train_step()
+        seconds = time.perf_counter() - started
+        tokens *= self.ranks.world  # the learner's batch is every rank's
+        self.sync.stepped(tokens)
+        self.tokens += tokens
+        if self.ranks.leader:
+            self.link.progress({"inc": self.incarnation, "step": self.sync.step,
+                                "tokens": tokens, "secs": seconds,
+                                "rebased": self.rebased})  # fmt: skip
+        self.rebased = []
+        self.events("step", learner=self.m, step=self.sync.step, loss=loss)
+        return self.boundary()
+
+    def boundary(self) -> bool:
+        """Between two steps: answer the asks, apply merged fragments, serve a snapshot."""
+        params = self.trainer.params()
+        applies: list[Apply] = []
+        stop = False
+        if self.ranks.leader:
+            for p, round_id in sorted(self.link.take_asks().items()):
+                self.link.push(self.sync.answer(p, round_id, params))
+            applies = [(p, v, vals) for p, (v, vals) in sorted(self.link.take_inbox().items())]
+            stop = self.should_stop()
+        stop, applies = self.ranks.share_boundary(stop, applies, self.shapes)
+        for p, version, values in applies:
+            if self.sync.apply(p, version, values, params):
+                self.rebased.append(p)
+        if self.ranks.leader:
+            if self.server.wanted:
+                self.server.provide(self.snapshot())
+            self.link.status = self.status()
+        return not stop
+
+    def checksum(self) -> float:
+        with torch.no_grad():
+            return float(sum(p.double().sum() for p in self.trainer.model.parameters()))
+
+    def load(self, blob: bytes) -> None:
+        """Adopt a snapshot: a peer's (recovery) or rank 0's (the other ranks)."""
+        state = unpack_tree(blob)
+        self.trainer.load_state(state["trainer"])
+        self.sync.load_peer_state(state["sync"])
+        self.sync.incarnation = self.incarnation
+
+    def snapshot(self) -> bytes:
+        """Everything a newcomer copies (DESIGN §3.5); taken between two steps."""
+        return pack_tree({"trainer": self.trainer.state(), "sync": self.sync.state_dict(),
+                          "learner": self.m})  # fmt: skip
+
+    # -- recovery ---------------------------------------------------------------------------
+    def recover(self) -> None:
+        """Copy a healthy peer (nobody pauses), else start from the syncer's fragments."""
+        peers = self.link.request_peers(timeout=30.0)
+        for pid, address in sorted(peers.items(), key=lambda kv: int(kv[0])):
+            try:
+                # a peer that died since the syncer last heard of it never answers: 10 s
+                blob = fetch_snapshot(address, self.run_id, self.secret, self.m, timeout=10.0)
+            except PeerError as exc:
+                log.warning("learner %d: peer %s failed: %s", self.m, pid, exc)
+                continue
+            self.load(blob)
+            self.bytes_peer += len(blob)
+            self.link.register(self.status())
+            self.events("recovered", learner=self.m, peer=int(pid), bytes=len(blob),
+                        step=self.sync.step)  # fmt: skip
+            return
+        # nobody to copy: the syncer's global fragments, fresh inner state, the global step
+        self.link.register(self.status())
+        if not self.link.welcomed.wait(60.0):
+            log.warning("learner %d: no welcome from the syncer; training from Theta_0", self.m)
+            return
+        welcome = self.link.welcome or {}
+        step = int(welcome.get("global_step", 0))
+        self.sync.step = step
+        self.trainer.steps = step
+        wanted = {p for p, v in enumerate(welcome.get("versions", [])) if v > 0}
+        deadline = time.monotonic() + 30.0
+        params = self.trainer.params()
+        while wanted and time.monotonic() < deadline:
+            for p, (version, values) in self.link.take_inbox().items():
+                if self.sync.apply(p, version, values, params):
+                    wanted.discard(p)
+            time.sleep(0.01)
+        self.events("recovered", learner=self.m, peer=None, source="syncer", step=step)

@@ -1,0 +1,284 @@
+"""A learner's link to the syncer: a background thread, so training never waits on the network.
+
+Owns the learner's DEALER socket. The training loop hands it progress reports and answer
+snapshots (queues, never blocking) and, between two steps, takes the asks and the merged
+fragments that arrived. The thread encodes answers (the codec runs here, not in the training
+loop), keeps every answer until the syncer has merged or dropped it, and re-pushes them
+after the syncer restarts (the core recognises duplicates, so a re-push is never applied
+twice). When the syncer goes silent it reconnects with capped exponential backoff and
+jitter, and registers again. No algorithm logic: the core's LearnerSync stays in the
+training thread.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import queue
+import threading
+import time
+from typing import Any
+
+import zmq
+
+from ddiloco.core.codec import CodecSpec, encode_tensors
+from ddiloco.core.learner_state import Snapshot
+from ddiloco.runtime.processes.common import Backoff, Socket, configure
+from ddiloco.runtime.processes.wire import Wire, WireError, decode_update
+
+log = logging.getLogger(__name__)
+
+Key = tuple[int, int, int]
+
+
+class SyncerLink(threading.Thread):
+    """The network side of one learner."""
+
+    def __init__(
+        self,
+        address: str,
+        wire: Wire,
+        learner: int,
+        codec: CodecSpec,
+        shapes: list[list[tuple[int, ...]]],
+        *,
+        silence_seconds: float = 3.0,
+        max_pending: int = 64,
+    ) -> None:
+        super().__init__(name=f"syncer-link-{learner}", daemon=True)
+        self.address = address
+        self.wire = wire
+        self.learner = learner
+        self.codec = codec
+        self.shapes = shapes
+        self.silence = silence_seconds
+        self.max_pending = max_pending
+        self.backoff = Backoff(0.2, 2.0)
+        self.outbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._asks: dict[int, int] = {}
+        self._inbox: dict[int, tuple[int, list[Any]]] = {}
+        self.pending: dict[Key, tuple[dict[str, Any], bytes]] = {}
+        self.sent_to: dict[Key, int | None] = {}  # the syncer session an answer went to
+        self.status: dict[str, Any] = {}  # what a hello says; replaced by the training thread
+        self.registered = False
+        self.welcome: dict[str, Any] | None = None
+        self.welcomed = threading.Event()
+        self.stopped = threading.Event()
+        self._closing = threading.Event()
+        self._peers: queue.SimpleQueue[dict[str, str]] = queue.SimpleQueue()
+        self.syncer_session: int | None = None
+        self.reconnects = 0
+        self.next_hello = 0.0
+        self.carry: dict[str, Any] | None = None  # progress not yet delivered
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        self.ctx: zmq.Context[Socket] = zmq.Context.instance()
+        self.sock: Socket | None = None
+        self.last_rx = time.monotonic()
+
+    # -- the training thread's side (never blocks) ----------------------------------------
+    def progress(self, meta: dict[str, Any]) -> None:
+        self.outbox.put(("progress", meta))
+
+    def push(self, snap: Snapshot) -> None:
+        self.outbox.put(("answer", snap))
+
+    def register(self, status: dict[str, Any]) -> None:
+        self.status = status
+        self.outbox.put(("hello", None))
+
+    def bye(self) -> None:
+        self.outbox.put(("bye", None))
+
+    def take_asks(self) -> dict[int, int]:
+        with self._lock:
+            asks, self._asks = self._asks, {}
+        return asks
+
+    def take_inbox(self) -> dict[int, tuple[int, list[Any]]]:
+        with self._lock:
+            inbox, self._inbox = self._inbox, {}
+        return inbox
+
+    def request_peers(self, timeout: float) -> dict[str, str]:
+        """Ask the syncer for the live peers' recovery addresses (used before training)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self.outbox.put(("peers", None))
+            try:
+                return self._peers.get(timeout=1.0)
+            except queue.Empty:
+                continue
+        return {}
+
+    def close(self, flush_seconds: float = 0.5) -> None:
+        time.sleep(flush_seconds if self.registered else 0.0)
+        self._closing.set()
+        self.join(timeout=5.0)
+
+    # -- the thread -------------------------------------------------------------------------
+    def run(self) -> None:
+        self._connect()
+        while not self._closing.is_set():
+            assert self.sock is not None
+            if self.sock.poll(20):
+                while True:
+                    try:
+                        frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    self._handle(frames)
+            self._drain()
+            now = time.monotonic()
+            if self.registered and not self.welcomed.is_set() and now >= self.next_hello:
+                self._hello()  # until the syncer answers, with capped, jittered backoff
+            elif self.welcomed.is_set() and now - self.last_rx > self.silence:
+                self._reconnect()
+        if self.sock is not None:
+            self.sock.close(0)
+
+    def _connect(self) -> None:
+        sock = self.ctx.socket(zmq.DEALER)
+        configure(sock, self.wire.limits)
+        sock.setsockopt(zmq.IDENTITY, f"L{self.learner}".encode())
+        sock.setsockopt(zmq.IMMEDIATE, 1)  # nothing queues for a syncer that is not there
+        sock.connect(f"tcp://{self.address}")
+        self.sock = sock
+        self.last_rx = time.monotonic()
+
+    def _reconnect(self) -> None:
+        """The syncer went silent: drop the socket (and whatever zmq queued in it) and start
+        over; hellos follow with capped exponential backoff and jitter until welcomed."""
+        log.warning("learner %d: syncer silent for %.1fs; reconnecting", self.learner,
+                    time.monotonic() - self.last_rx)  # fmt: skip
+        if self.sock is not None:
+            self.sock.close(0)
+        self.welcomed.clear()
+        self.reconnects += 1
+        self._connect()
+        self.next_hello = time.monotonic() + self.backoff.next_delay()
+
+    def _hello(self) -> None:
+        self._send("hello", meta=self.status)
+        self.next_hello = time.monotonic() + self.backoff.next_delay()
+
+    def _send(self, kind: str, **kw: Any) -> bool:
+        assert self.sock is not None
+        parts = self.wire.encode(kind, learner=self.learner, **kw)
+        try:
+            self.sock.send_multipart(parts, zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            return False
+        self.bytes_sent += memoryview(parts[1]).nbytes
+        return True
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                kind, item = self.outbox.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "answer":
+                self._answer(item)
+            elif kind == "progress":
+                self._progress(item)
+            elif kind == "hello":
+                self.registered = True
+                self._hello()
+            else:
+                self._send(kind)
+
+    def _progress(self, meta: dict[str, Any]) -> None:
+        """Send a progress report; while unregistered (or unsent), fold it into the next one,
+        so the syncer's ledger sees every trained token and rebase, in order."""
+        if self.carry is not None:
+            meta = {**meta, "tokens": self.carry["tokens"] + meta["tokens"],
+                    "rebased": sorted({*self.carry["rebased"], *meta["rebased"]})}  # fmt: skip
+            self.carry = None
+        if not (self.welcomed.is_set() and self._send("progress", meta=meta)):
+            self.carry = meta
+
+    def _answer(self, snap: Snapshot) -> None:
+        meta = dataclasses.asdict(snap.meta)
+        payload = encode_tensors(snap.delta, self.codec)
+        self.pending[snap.meta.key] = (meta, payload)
+        while len(self.pending) > self.max_pending:
+            self.sent_to.pop(next(iter(self.pending)), None)
+            self.pending.pop(next(iter(self.pending)))
+        if self.welcomed.is_set():
+            self._send_answer(meta, payload)
+
+    def _send_answer(self, meta: dict[str, Any], payload: bytes) -> None:
+        if self._send("answer", fragment=meta["fragment"], round=meta["round_id"], meta=meta,
+                      payload=payload):  # fmt: skip
+            key = (meta["learner"], meta["incarnation"], meta["seq"])
+            self.sent_to[key] = self.syncer_session
+
+    def _handle(self, frames: list[zmq.Frame]) -> None:
+        try:
+            msg = self.wire.decode([f.buffer for f in frames])
+        except WireError:
+            return
+        h = msg.header
+        if h.sender != "S" or h.learner != self.learner:
+            return
+        self.last_rx = time.monotonic()
+        self.bytes_received += msg.payload.nbytes
+        if self.syncer_session is not None and h.session != self.syncer_session:
+            log.warning("learner %d: the syncer restarted; registering again", self.learner)
+            if self.registered and h.kind != "welcome":
+                self.welcomed.clear()
+                self._hello()
+        self.syncer_session = h.session
+        if h.kind == "ask":
+            with self._lock:
+                self._asks[h.fragment] = h.round
+        elif h.kind == "fragment":
+            self._fragment(h.fragment, h.meta, msg.payload)
+        elif h.kind == "verdict":
+            key = h.meta["key"]
+            self._forget((key[0], key[1], key[2]))
+        elif h.kind == "welcome":
+            self.welcome = h.meta
+            self.welcomed.set()
+            self.backoff.reset()
+            if self.carry is not None:  # trained tokens first, then the answers they back
+                self._progress({**self.carry, "tokens": 0, "rebased": []})
+            for key, (meta, payload) in list(self.pending.items()):
+                if self.sent_to.get(key) != h.session:  # a restarted syncer lost them
+                    self._send_answer(meta, payload)
+        elif h.kind == "rehello" or (h.kind == "beat" and not h.meta.get("live", True)):
+            if self.registered:
+                self.welcomed.clear()
+                self._hello()
+        elif h.kind == "peers":
+            self._peers.put(h.meta.get("peers", {}))
+        elif h.kind == "stop":
+            self.stopped.set()
+
+    def _fragment(self, p: int, meta: dict[str, Any], payload: memoryview) -> None:
+        version = int(meta["version"])
+        try:
+            values = decode_update(payload, self.shapes[p])
+        except WireError as exc:
+            log.warning("learner %d: refused fragment %d: %s", self.learner, p, exc)
+            return
+        with self._lock:
+            held = self._inbox.get(p)
+            if held is None or held[0] < version:
+                self._inbox[p] = (version, values)
+        # merged answers, and older ones of the same life, fragment and base (superseded
+        # or now "base already merged"), need no re-push
+        for k in meta.get("keys", []):
+            answer = self.pending.get((k[0], k[1], k[2]))
+            if answer is None:
+                continue
+            frag, base = answer[0]["fragment"], answer[0]["base_version"]
+            for key, (m, _) in list(self.pending.items()):
+                if key[:2] == (k[0], k[1]) and m["fragment"] == frag and m["base_version"] <= base:
+                    self._forget(key)
+
+    def _forget(self, key: Key) -> None:
+        self.pending.pop(key, None)
+        self.sent_to.pop(key, None)

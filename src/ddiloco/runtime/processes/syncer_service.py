@@ -1,0 +1,363 @@
+"""The syncer as a service: a zmq ROUTER that drives the core's SyncerState on the wall clock.
+
+Owns only the I/O around the core: decoding authenticated frames, feeding the core progress,
+answers and ``now``, persisting every merge (:mod:`.store`) *before* broadcasting it, asking
+learners, noticing dead ones (no message for ``detect_seconds``), restoring after a restart,
+evaluating the global model and printing events for the launcher. Every rule (rounds,
+quorum, grace, staleness, weights, RDA, outer step, ledger) is the core's. One thread, one
+socket: nothing here waits on a learner.
+
+Learner -> syncer: hello, peers, progress, answer, bye. Syncer -> learner: welcome, peers,
+rehello (it does not know this learner life: say hello again and re-push), ask, fragment
+(a merged fragment, with the answer keys it merged), verdict (an answer dropped), beat, stop.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import torch
+import zmq
+
+from ddiloco.config import RunConfig
+from ddiloco.core.codec import encode_tensors
+from ddiloco.core.ledger import CRASH, LEFT
+from ddiloco.core.rounds import UNSOLICITED, AnswerMeta, Verdict
+from ddiloco.core.syncer_state import MergeResult, SyncerConfig, SyncerState
+from ddiloco.errors import ConfigError
+from ddiloco.runtime.processes.common import Events, Socket, configure, new_session
+from ddiloco.runtime.processes.setup import RunSetup, TolerantLedger, eval_loss
+from ddiloco.runtime.processes.store import SyncerStore, journal_header, record_of, restore
+from ddiloco.runtime.processes.wire import Limits, Wire, WireError, decode_update
+
+log = logging.getLogger(__name__)
+
+ANSWER_FIELDS = ("learner", "incarnation", "seq", "fragment", "round_id", "base_version",
+                 "local_step", "c_steps", "c_tokens")  # fmt: skip
+BEAT_SECONDS = 0.5
+
+
+class SyncerService:
+    """One syncer process."""
+
+    def __init__(
+        self,
+        setup: RunSetup,
+        bind: str,
+        run_id: str,
+        secret: bytes,
+        store_dir: Path,
+        events: Events,
+        *,
+        journal: bool = False,
+        detect_seconds: float = 5.0,
+        stop: threading.Event | None = None,
+    ) -> None:
+        self.setup = setup
+        self.config: RunConfig = setup.config
+        self.events = events
+        self.detect_seconds = detect_seconds
+        sync = setup.settings.sync
+        self.plan = setup.plan
+        self.ledger = TolerantLedger(self.plan.num_fragments)
+        self.syncer = SyncerState(
+            self.plan,
+            setup.initial,
+            SyncerConfig(sync.rounds(), sync.merge_rule, sync.outer()),
+            plain_tensors=setup.plain,
+            ledger=self.ledger,
+        )
+        self.shapes = [[tuple(t.shape) for t in frag] for frag in self.syncer.fragments]
+        self.store = SyncerStore(store_dir, journal=journal)
+        self.applied: dict[int, list[tuple[int, int, int]]] = defaultdict(list)
+        self.tokens = 0
+        records = self.store.load()
+        self.restored = bool(records)
+        if records:
+            step, self.tokens = restore(self.syncer, records)
+            for p, rec in records.items():
+                self.applied[p] = list(rec.applied)
+            events("restored", versions=list(self.syncer.versions), global_step=step,
+                   tokens=self.tokens)  # fmt: skip
+        self.payloads: dict[tuple[int, int, int], bytes] = {}  # journal inputs, until merged
+        self.limits = Limits(max_payload=max(64 << 20, 4 * self.plan.total_bytes))
+        self.wire = Wire(run_id, secret, "S", new_session(), self.limits)
+        self.ctx: zmq.Context[Socket] = zmq.Context()
+        self.sock = self.ctx.socket(zmq.ROUTER)
+        configure(self.sock, self.limits)
+        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
+        self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        self.sock.bind(f"tcp://{bind}")
+        self.lives: dict[int, int] = {}  # learner -> incarnation it registered with
+        self.addresses: dict[int, str] = {}  # learner -> peer-recovery address
+        self.last_heard: dict[int, float] = {}
+        self.down_since: dict[int, float] = {}
+        self.down_seconds = 0.0
+        self.up_seconds = 0.0
+        self.up_mark: float | None = None  # uptime counts from the first learner's hello
+        self.first_join: float | None = None
+        self.bytes_sent = 0
+        self.bytes_received = 0
+        self.counts: dict[str, int] = defaultdict(int)
+        self.next_eval = self.tokens
+        self.last_beat = 0.0
+        self.stop = stop or threading.Event()  # set (SIGTERM): end the run now, with a summary
+
+    # -- the loop ---------------------------------------------------------------------------
+    def serve(self) -> dict[str, Any]:
+        """Run until the token budget (or the time limit) is reached; return the summary."""
+        budget = self.config.train.tokens
+        limit = self.config.train.max_virtual_seconds
+        self.events("syncer_up", session=self.wire.session)
+        while self.tokens < budget and not (limit and self.events.now() >= limit):
+            if self.stop.is_set():
+                break
+            deadline = self.syncer.next_deadline()
+            wait = BEAT_SECONDS if deadline is None else deadline - self.events.now()
+            if self.sock.poll(max(0, int(min(wait, BEAT_SECONDS) * 1000)) or 1):
+                for _ in range(64):  # a burst, then give merges and beats a turn
+                    if self.tokens >= budget:
+                        break
+                    try:
+                        frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    self.handle(frames)
+            self.poll()
+            now = self.events.now()
+            if now - self.last_beat >= BEAT_SECONDS:
+                self.last_beat = now
+                self.check_liveness(now)
+                for m in list(self.lives):
+                    self.send(m, "beat", meta={"live": m in self.syncer.policy.progress})
+            if self.tokens >= self.next_eval:
+                self.evaluate()
+        return self.finish()
+
+    def handle(self, frames: list[zmq.Frame]) -> None:
+        if len(frames) < 2:
+            self.counts["refused_parts"] += 1
+            return
+        try:
+            msg = self.wire.decode([f.buffer for f in frames[1:]])
+        except WireError:
+            return  # logged and counted by the wire
+        h = msg.header
+        if frames[0].bytes != f"L{h.learner}".encode() or h.sender != f"L{h.learner}":
+            self.counts["refused_identity"] += 1
+            log.warning("syncer: frame from %r claims learner %d", frames[0].bytes, h.learner)
+            return
+        if not 0 <= h.learner < self.setup.slots:
+            self.counts["refused_learner"] += 1
+            return
+        self.last_heard[h.learner] = self.events.now()
+        try:
+            handler = getattr(self, f"on_{h.kind}", None)
+            if handler is None:
+                raise ConfigError("kind", h.kind, "unknown message kind")
+            handler(h.learner, h.meta, msg.payload)
+        except (ConfigError, KeyError, TypeError) as exc:
+            self.counts["refused_meta"] += 1
+            log.warning("syncer: refused %s from learner %d: %s", h.kind, h.learner, exc)
+
+    # -- messages ---------------------------------------------------------------------------
+    def on_hello(self, m: int, meta: dict[str, Any], _: memoryview) -> None:
+        inc, step, versions = int(meta["inc"]), int(meta["step"]), list(meta["versions"])
+        now = self.events.now()
+        old = self.lives.get(m)
+        if old is not None and old != inc:
+            self.ledger.crashed(m, CRASH)  # a new life: whatever the old one held is lost
+        self.account_uptime(now)
+        if m in self.down_since:
+            self.down_seconds += now - self.down_since.pop(m)
+        self.lives[m] = inc
+        self.addresses[m] = str(meta.get("peer", ""))
+        asks = self.syncer.policy.join(m, step)
+        self.send(m, "welcome", meta={"global_step": self.syncer.policy.global_step,
+                                      "versions": list(self.syncer.versions)})  # fmt: skip
+        for rnd in asks:
+            self.send(m, "ask", fragment=rnd.fragment, round=rnd.round_id)
+        for p, version in enumerate(self.syncer.versions):
+            if version > int(versions[p]):
+                self.send_fragment([m], p, version, self.syncer.fragments[p], [])
+        self.events("joined", learner=m, incarnation=inc, step=step)
+
+    def on_peers(self, m: int, meta: dict[str, Any], _: memoryview) -> None:
+        live = self.syncer.policy.progress
+        peers = {str(k): a for k, a in self.addresses.items() if k != m and k in live and a}
+        self.send(m, "peers", meta={"peers": peers})
+
+    def on_progress(self, m: int, meta: dict[str, Any], _: memoryview) -> None:
+        if m not in self.syncer.policy.progress or self.lives.get(m) != meta["inc"]:
+            self.send(m, "rehello")
+            return
+        for p in meta.get("rebased", []):
+            self.ledger.rebased(m, int(p))
+        tokens = int(meta["tokens"])
+        self.ledger.trained(m, tokens)
+        self.tokens += tokens
+        now = self.events.now()
+        for rnd in self.syncer.on_progress(m, int(meta["step"]), now, float(meta["secs"])):
+            for a in sorted(rnd.asked):
+                self.send(a, "ask", fragment=rnd.fragment, round=rnd.round_id)
+
+    def on_answer(self, m: int, meta: dict[str, Any], payload: memoryview) -> None:
+        answer = AnswerMeta(**{k: int(meta[k]) for k in ANSWER_FIELDS})
+        if answer.learner != m or self.lives.get(m) != answer.incarnation:
+            self.send(m, "rehello")  # from a life this syncer has not registered: re-push later
+            return
+        answer.validate(self.plan.num_fragments)
+        if self.restored and answer.round_id >= self.syncer.policy.next_round_id[answer.fragment]:
+            # re-pushed for a round the previous life opened but never made durable: the
+            # answer itself is sound, so it joins the fragment's current or next round
+            answer = dataclasses.replace(answer, round_id=UNSOLICITED)
+            self.counts["forgotten_round"] += 1
+        self.bytes_received += payload.nbytes
+        try:
+            delta = decode_update(payload, self.shapes[answer.fragment])
+        except WireError as exc:
+            self.counts[f"refused_{exc.reason}"] += 1
+            self.verdict(m, answer, "refused_" + exc.reason)
+            return
+        if answer.key not in self.syncer.policy.seen:  # a re-push is not new work
+            self.ledger.answered(m, answer.fragment, answer.key, answer.c_tokens)
+        verdict = self.syncer.on_answer(answer, delta, self.events.now())
+        if verdict in (Verdict.ACCEPTED, Verdict.WAITING):
+            if self.store.journal_enabled:
+                self.payloads[answer.key] = bytes(payload)
+        else:
+            self.verdict(m, answer, verdict.value)
+
+    def on_bye(self, m: int, meta: dict[str, Any], _: memoryview) -> None:
+        self.account_uptime(self.events.now())
+        self.syncer.policy.leave(m, self.events.now())
+        self.ledger.crashed(m, LEFT)
+        self.lives.pop(m, None)
+        self.events("left", learner=m)
+
+    def verdict(self, m: int, answer: AnswerMeta, verdict: str) -> None:
+        self.send(m, "verdict", fragment=answer.fragment,
+                  meta={"key": list(answer.key), "verdict": verdict})  # fmt: skip
+        self.events("drop", learner=m, fragment=answer.fragment, verdict=verdict)
+
+    # -- merging ----------------------------------------------------------------------------
+    def poll(self) -> None:
+        started = time.monotonic()
+        for result in self.syncer.poll(self.events.now()):
+            self.persist(result)
+            live = sorted(self.syncer.policy.progress)
+            keys = [list(a.key) for a in result.round.answers]
+            nbytes = self.send_fragment(live, result.fragment, result.version, result.tensors,
+                                        keys)  # fmt: skip
+            self.syncer.record_sync_time(time.monotonic() - started)
+            rnd = result.round
+            self.events("round", fragment=result.fragment, version=result.version,
+                        opened_at=rnd.opened_at, quorum_at=rnd.quorum_at, grace=rnd.grace,
+                        answers=len(rnd.answers), asked=rnd.asked,
+                        weights={str(k): v for k, v in sorted(result.weights.items())},
+                        update_norm=result.update_norm, broadcast_bytes=nbytes)  # fmt: skip
+        if self.payloads:
+            for key in [k for k in self.payloads if k not in self.syncer.updates]:
+                del self.payloads[key]  # superseded or dropped: never merged
+
+    def persist(self, result: MergeResult) -> None:
+        """Write the merge to disk before anyone hears of it (an acknowledged merge is
+        durable; an unacknowledged one is re-pushed by its learners after a crash)."""
+        p = result.fragment
+        answers = result.round.answers
+        self.applied[p].extend(a.key for a in answers)
+        if self.store.journal_enabled:
+            self.store.append_journal(journal_header(result),
+                                      [self.payloads.pop(a.key, b"") for a in answers])  # fmt: skip
+        self.store.save(record_of(self.syncer, p, self.tokens, self.applied[p]))
+
+    def send_fragment(
+        self, to: list[int], p: int, version: int, tensors: list[torch.Tensor], keys: list[Any]
+    ) -> int:
+        payload = encode_tensors(tensors, self.setup.settings.sync.broadcast_spec())
+        for m in to:
+            self.send(m, "fragment", fragment=p, meta={"version": version, "keys": keys},
+                      payload=payload)  # fmt: skip
+        return len(payload)
+
+    def send(self, m: int, kind: str, **kw: Any) -> None:
+        parts = self.wire.encode(kind, learner=m, **kw)
+        try:
+            self.sock.send_multipart([f"L{m}".encode(), *parts], zmq.NOBLOCK, copy=False)
+            self.bytes_sent += memoryview(parts[1]).nbytes
+        except (zmq.Again, zmq.ZMQError):  # unreachable or its queue is full (frozen)
+            self.counts["send_dropped"] += 1
+
+    # -- liveness, evaluation, the end -----------------------------------------------------
+    def check_liveness(self, now: float) -> None:
+        for m in list(self.syncer.policy.progress):
+            if now - self.last_heard.get(m, now) > self.detect_seconds:
+                self.account_uptime(now)
+                self.syncer.policy.leave(m, now)  # no longer waited for; the ledger waits to
+                self.down_since[m] = now - self.detect_seconds  # see a new life (or the end)
+                self.events("detected", learner=m)
+        self.poll()
+
+    def account_uptime(self, now: float) -> None:
+        """Called before every membership change: time with >= K live learners is up."""
+        live = len(self.syncer.policy.progress) >= self.setup.settings.sync.quorum
+        if live and self.up_mark is not None:
+            self.up_seconds += now - self.up_mark
+        self.up_mark = now
+        if self.first_join is None:
+            self.first_join = now
+
+    def evaluate(self) -> float:
+        loss = eval_loss(self.setup, self.syncer.fragments)
+        self.events("eval", tokens=self.tokens, loss=loss)
+        self.next_eval = self.tokens + self.config.train.eval_every
+        return loss
+
+    def finish(self) -> dict[str, Any]:
+        now = self.events.now()
+        self.account_uptime(now)
+        for m in list(self.lives):
+            self.send(m, "stop")
+        final = self.evaluate()
+        for m in self.down_since:  # given up and never back: what it held died with it
+            self.ledger.crashed(m, CRASH)
+        self.ledger.close()
+        ledger = self.ledger.summary()
+        down = self.down_seconds + sum(now - s for s in self.down_since.values())
+        step = self.syncer.policy.step_time.value or 1.0
+        per_step = self.config.train.batch_size * self.setup.seq_len
+        lost_capacity = down / step * per_step
+        wasted: dict[str, float] = ledger["tokens_wasted"]  # type: ignore[assignment]
+        lost = sum(wasted.get(r, 0.0) for r in (CRASH, "lost_in_flight"))
+        summary = {
+            "eval_loss": final,
+            "tokens": self.tokens,
+            "tokens_merged": ledger["tokens_merged"],
+            "tokens_wasted": wasted,
+            "ledger_balanced": ledger["balanced"] and not self.ledger.errors,
+            "ledger_errors": self.ledger.errors,
+            "goodput": (self.tokens - lost) / max(self.tokens + lost_capacity, 1.0),
+            "uptime": self.up_seconds / max(now - (self.first_join or 0.0), 1e-9),
+            "bytes_sent": self.bytes_sent,
+            "bytes_received": self.bytes_received,
+            "rounds": self.syncer.counts.get("merged_rounds", 0),
+            "answers": dict(sorted(self.syncer.counts.items())),
+            "refused": dict(sorted(self.wire.refused.items())),
+            "service": dict(sorted(self.counts.items())),
+            "store_writes": self.store.writes,
+            "versions": list(self.syncer.versions),
+        }
+        self.events("summary", **summary)
+        for _ in range(3):  # stop is not acknowledged: say it a few times
+            time.sleep(0.1)
+            for m in list(self.lives):
+                self.send(m, "stop")
+        self.sock.close(0)
+        self.ctx.term()
+        return summary

@@ -1,0 +1,164 @@
+"""The process runtime's wire format refuses every bad frame, naming why, and counts it."""
+
+from __future__ import annotations
+
+import struct
+
+import msgpack
+import pytest
+import torch
+
+from ddiloco.core.codec import CodecSpec, encode_tensors
+from ddiloco.runtime.processes.wire import (
+    PREFIX,
+    Limits,
+    Wire,
+    WireError,
+    decode_update,
+)
+
+SECRET = b"s" * 32
+
+
+def pair(**kw) -> tuple[Wire, Wire]:
+    return Wire("run-1", SECRET, "L0", 7, **kw), Wire("run-1", SECRET, "S", 1, **kw)
+
+
+def joined(parts) -> bytearray:
+    return bytearray(b"".join(bytes(p) for p in parts))
+
+
+def refused(receiver: Wire, frame, reason: str) -> WireError:
+    with pytest.raises(WireError) as info:
+        receiver.decode(frame if isinstance(frame, list) else [frame])
+    assert info.value.reason == reason
+    assert receiver.refused[reason] >= 1
+    return info.value
+
+
+def test_a_frame_round_trips_with_every_bound_field():
+    tx, rx = pair()
+    payload = encode_tensors([torch.randn(3, 4)], CodecSpec("fp32"))
+    msg = rx.decode(tx.encode("answer", learner=2, fragment=1, round=5, meta={"a": 1},
+                              payload=payload))  # fmt: skip
+    h = msg.header
+    assert (h.run, h.sender, h.session, h.kind) == ("run-1", "L0", 7, "answer")
+    assert (h.learner, h.fragment, h.round, h.seq, h.meta) == (2, 1, 5, 0, {"a": 1})
+    assert bytes(msg.payload) == payload
+    assert not rx.refused
+
+
+def test_a_joined_blob_decodes_like_its_parts():
+    tx, rx = pair()
+    msg = rx.decode([bytes(joined(tx.encode("progress", payload=b"xyz")))])
+    assert bytes(msg.payload) == b"xyz"
+
+
+@pytest.mark.parametrize("where", ["header", "payload", "trailer-crc"])
+def test_a_flipped_bit_is_refused_as_corrupted(where):
+    tx, rx = pair()
+    parts = tx.encode("answer", payload=b"\x01" * 100)
+    blob = joined(parts)
+    index = {"header": PREFIX.size + 3, "payload": len(parts[0]) + 50,
+             "trailer-crc": len(blob) - 34}[where]  # fmt: skip
+    blob[index] ^= 0x10
+    err = refused(rx, blob, "checksum")
+    assert "crc32" in str(err)
+
+
+def test_a_truncated_frame_is_refused():
+    tx, rx = pair()
+    blob = joined(tx.encode("answer", payload=b"\x02" * 64))
+    for cut in (3, PREFIX.size + 2, len(blob) - 1):
+        refused(rx, blob[:cut], "truncated")
+    head, body, trailer = tx.encode("answer", payload=b"\x02" * 64)
+    refused(rx, [head, bytes(body)[:-1], trailer], "truncated")
+    refused(rx, [head, body], "truncated")
+
+
+def test_an_oversized_frame_is_refused_before_allocating():
+    tx, _ = pair()
+    rx = Wire("run-1", SECRET, "S", 1, limits=Limits(max_header=1024, max_payload=100))
+    err = refused(rx, joined(tx.encode("answer", payload=b"\0" * 101)), "oversized")
+    assert err.field == "payload_len"
+    # a forged length of 2**60 is refused from the 20-byte prefix alone
+    prefix = PREFIX.pack(b"DDWF", 1, 0, 0, 10, 2**60)
+    assert refused(rx, bytearray(prefix), "oversized").field == "payload_len"
+    prefix = PREFIX.pack(b"DDWF", 1, 0, 0, 10**9, 0)
+    assert refused(rx, bytearray(prefix), "oversized").field == "header_len"
+
+
+def test_a_replayed_or_duplicated_frame_is_refused():
+    tx, rx = pair()
+    first = tx.encode("answer", payload=b"a")
+    second = tx.encode("answer", payload=b"b")
+    rx.decode(second)
+    rx.decode(first)  # reordered inside the window: fine
+    assert refused(rx, first, "replay").field == "seq"
+    assert refused(rx, second, "replay").field == "seq"
+
+
+def test_a_frame_from_an_earlier_session_is_refused():
+    old = Wire("run-1", SECRET, "L0", 7)
+    new = Wire("run-1", SECRET, "L0", 8)
+    rx = Wire("run-1", SECRET, "S", 1)
+    stale = old.encode("answer")
+    rx.decode(new.encode("hello"))
+    assert refused(rx, stale, "replay").field == "session"
+
+
+def test_an_unauthenticated_frame_is_refused():
+    rx = Wire("run-1", SECRET, "S", 1)
+    forger = Wire("run-1", b"x" * 32, "L0", 7)
+    err = refused(rx, forger.encode("answer", payload=b"evil"), "auth")
+    assert err.field == "hmac"
+
+
+def test_a_forged_header_with_a_recomputed_checksum_still_fails_the_hmac():
+    tx, rx = pair()
+    head, body, trailer = tx.encode("answer", learner=1, payload=b"p")
+    header = msgpack.unpackb(bytes(head[PREFIX.size :]))
+    header["l"] = 3  # claim to be another learner
+    packed = msgpack.packb(header, use_bin_type=True)
+    new_head = PREFIX.pack(b"DDWF", 1, 0, 0, len(packed), 1) + packed
+    import zlib
+
+    crc = zlib.crc32(b"p", zlib.crc32(new_head))
+    forged_trailer = struct.pack("<I", crc) + bytes(trailer)[4:]
+    refused(rx, [new_head, body, forged_trailer], "auth")
+
+
+def test_a_frame_of_another_run_is_refused():
+    other = Wire("run-2", SECRET, "L0", 7)
+    _, rx = pair()
+    assert refused(rx, other.encode("answer"), "run").field == "run"
+
+
+def test_a_short_secret_is_refused():
+    with pytest.raises(WireError, match="secret"):
+        Wire("r", b"short", "S", 1)
+
+
+def test_nan_and_inf_updates_are_refused_after_authentication():
+    good = encode_tensors([torch.ones(4)], CodecSpec("fp32"))
+    assert decode_update(good, [(4,)])[0].tolist() == [1.0] * 4
+    bf16 = encode_tensors([torch.ones(4)], CodecSpec("bf16"))
+    for bad, raw in [(v, bytearray(good)) for v in ("nan", "inf", "-inf")] + [
+        ("nan", bytearray(bf16))
+    ]:
+        if len(raw) == len(good):
+            raw[-4:] = struct.pack("<f", float(bad))  # the last fp32 value
+        else:
+            raw[-2:] = struct.pack("<f", float(bad))[2:]  # its bf16 bits
+        tx, rx = pair()
+        msg = rx.decode(tx.encode("answer", payload=raw))  # the frame itself is sound
+        with pytest.raises(WireError) as info:
+            decode_update(msg.payload, [(4,)])
+        assert info.value.reason == "nonfinite"
+
+
+def test_an_update_of_the_wrong_shape_is_refused():
+    payload = encode_tensors([torch.ones(4)], CodecSpec("bf16"))
+    with pytest.raises(WireError) as info:
+        decode_update(payload, [(5,)])
+    assert info.value.reason == "codec" and "shape" in info.value.field
