@@ -28,7 +28,6 @@ import torch
 
 from ddiloco.config import load_config
 from ddiloco.core.plans import gather
-from ddiloco.core.syncer_state import SyncerConfig
 from ddiloco.runtime.processes.launcher import Launcher
 from ddiloco.runtime.processes.setup import RunSetup
 from ddiloco.runtime.processes.store import SyncerStore, replay_journal
@@ -95,9 +94,7 @@ def audit(config: Any, store_dir: Path, acked: dict[int, int]) -> dict[str, Any]
     records = store.load()
     initial = [gather(setup.plan, p, setup.initial) for p in range(setup.plan.num_fragments)]
     masks = [[s.name in setup.plain for s in f.slices] for f in setup.plan.fragments]
-    fragments, merged = replay_journal(
-        store, initial, SyncerConfig(sync.rounds(), sync.merge_rule, sync.outer()), masks
-    )
+    fragments, merged = replay_journal(store, initial, sync.syncer_config(), masks)
     lost = sum(max(0, v - records[p].version if p in records else v) for p, v in acked.items())
     doubled = sum(n - 1 for n in merged.values() if n > 1)
     equal = all(  # bit for bit: the syncer merges with 1 thread, and so does this audit

@@ -13,12 +13,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from ddiloco.chaos.plan import ChaosEvent, ChaosGenerators
 from ddiloco.core.codec import CodecSpec
 from ddiloco.core.grace import GraceConfig
 from ddiloco.core.outer import OuterConfig
-from ddiloco.core.plans import STRATEGIES
+from ddiloco.core.plans import STRATEGIES, FragmentPlan, build_plan, tensor_specs
 from ddiloco.core.rounds import RoundConfig
+from ddiloco.core.syncer_state import SyncerConfig
 from ddiloco.errors import require
 from ddiloco.typed_toml import build, read_toml, set_override
 
@@ -88,6 +91,19 @@ class SyncConfig:
         self.outer()
         self.codec_spec()
         self.broadcast_spec()
+
+    def fragment_plan(self, model: torch.nn.Module) -> FragmentPlan:
+        """The plan both runtimes use for ``model`` (rows split only in balanced plans)."""
+        return build_plan(
+            tensor_specs(model),
+            self.fragments,
+            self.strategy,
+            sync_every=self.sync_every,
+            split_rows=self.split_rows and self.strategy == "balanced",
+        )
+
+    def syncer_config(self) -> SyncerConfig:
+        return SyncerConfig(self.rounds(), self.merge_rule, self.outer())
 
     def rounds(self) -> RoundConfig:
         grace = GraceConfig(self.grace, self.grace_gamma, self.grace_cap_steps)

@@ -10,7 +10,7 @@ from ddiloco.core.plans import build_plan, tensor_specs
 from ddiloco.data.corpus import BatchStream
 from ddiloco.models.registry import build_model
 from ddiloco.runtime.processes.common import pack_tree, unpack_tree
-from ddiloco.runtime.sim.learner import Trainer
+from ddiloco.trainer import Trainer
 
 
 def test_plain_values_and_tensors_of_any_dtype_and_rank_round_trip():

@@ -27,8 +27,8 @@ from ddiloco.report.plots import plot_run
 from ddiloco.report.text import human_bytes, table
 from ddiloco.runtime.sim.data_parallel import DataParallelSim
 from ddiloco.runtime.sim.engine import FragmentSim
-from ddiloco.runtime.sim.learner import sequence_length
 from ddiloco.strategies import FRAGMENT_STRATEGIES
+from ddiloco.trainer import sequence_length
 
 DEMO_CHAOS = (
     ChaosEvent(at=60.0, kind="crash", learner=1, duration=40.0),

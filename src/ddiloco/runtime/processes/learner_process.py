@@ -32,7 +32,7 @@ from ddiloco.runtime.processes.peer import PeerError, SnapshotServer, fetch_snap
 from ddiloco.runtime.processes.ranks import Apply, RankGroup
 from ddiloco.runtime.processes.setup import RunSetup
 from ddiloco.runtime.processes.wire import Limits, Wire
-from ddiloco.runtime.sim.learner import Trainer
+from ddiloco.trainer import Trainer
 
 log = logging.getLogger(__name__)
 

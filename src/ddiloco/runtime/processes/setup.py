@@ -16,13 +16,13 @@ from torch import nn
 
 from ddiloco.config import RunConfig
 from ddiloco.core.ledger import TokenLedger
-from ddiloco.core.plans import FragmentPlan, build_plan, scatter, tensor_specs
+from ddiloco.core.plans import FragmentPlan, scatter
 from ddiloco.data.corpus import TokenSplits, eval_batches, split_corpus
 from ddiloco.errors import ConfigError
 from ddiloco.models.gpt import embedding_names
 from ddiloco.models.registry import build_model
-from ddiloco.runtime.sim.learner import evaluate, sequence_length
 from ddiloco.strategies import FRAGMENT_STRATEGIES, SimSettings
+from ddiloco.trainer import evaluate, sequence_length
 
 PROCESS_METHODS = ("decoupled",)  # learners never wait: lock-step methods need a barrier
 
@@ -44,13 +44,7 @@ class RunSetup:
         torch.manual_seed(self.config.seed)
         self.model = build_model(self.config.model)
         sync = self.settings.sync
-        self.plan = build_plan(
-            tensor_specs(self.model),
-            sync.fragments,
-            sync.strategy,
-            sync_every=sync.sync_every,
-            split_rows=sync.split_rows and sync.strategy == "balanced",
-        )
+        self.plan = sync.fragment_plan(self.model)
 
     @property
     def initial(self) -> dict[str, torch.Tensor]:

@@ -29,7 +29,7 @@ from ddiloco.config import RunConfig
 from ddiloco.core.codec import encode_tensors
 from ddiloco.core.ledger import CRASH, LEFT
 from ddiloco.core.rounds import UNSOLICITED, AnswerMeta, Verdict
-from ddiloco.core.syncer_state import MergeResult, SyncerConfig, SyncerState
+from ddiloco.core.syncer_state import MergeResult, SyncerState
 from ddiloco.errors import ConfigError
 from ddiloco.runtime.processes.common import Events, Socket, configure, new_session
 from ddiloco.runtime.processes.setup import RunSetup, TolerantLedger, eval_loss
@@ -69,7 +69,7 @@ class SyncerService:
         self.syncer = SyncerState(
             self.plan,
             setup.initial,
-            SyncerConfig(sync.rounds(), sync.merge_rule, sync.outer()),
+            sync.syncer_config(),
             plain_tensors=setup.plain,
             ledger=self.ledger,
         )

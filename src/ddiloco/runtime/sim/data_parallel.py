@@ -22,8 +22,8 @@ import torch
 from ddiloco.config import ChaosEvent, RunConfig
 from ddiloco.data.corpus import BatchStream, TokenSplits
 from ddiloco.models.registry import build_model
-from ddiloco.runtime.sim.learner import Trainer, evaluate, sequence_length
 from ddiloco.runtime.sim.world import Network, StepTimes
+from ddiloco.trainer import Trainer, evaluate, sequence_length
 
 
 class DataParallelSim:

@@ -23,18 +23,18 @@ from ddiloco.core import ledger as reasons
 from ddiloco.core.codec import decode_tensors, encode_tensors
 from ddiloco.core.learner_state import LearnerSync
 from ddiloco.core.ledger import TokenLedger
-from ddiloco.core.plans import FragmentPlan, build_plan, scatter, tensor_specs
+from ddiloco.core.plans import FragmentPlan, scatter
 from ddiloco.core.rounds import UNSOLICITED, AnswerMeta, Verdict
-from ddiloco.core.syncer_state import MergeResult, SyncerConfig, SyncerState
+from ddiloco.core.syncer_state import MergeResult, SyncerState
 from ddiloco.data.corpus import BatchStream, TokenSplits
 from ddiloco.models.gpt import embedding_names
 from ddiloco.models.registry import build_model
 from ddiloco.runtime.sim.accounting import summarize
 from ddiloco.runtime.sim.clock import EventQueue
 from ddiloco.runtime.sim.faults import FaultHandlers
-from ddiloco.runtime.sim.learner import Trainer, evaluate, sequence_length
 from ddiloco.runtime.sim.world import Network, StepTimes
 from ddiloco.strategies import SimSettings
+from ddiloco.trainer import Trainer, evaluate, sequence_length
 
 # How fast the CPU syncer merges (bytes of answers per second) in virtual time.
 SYNCER_BYTES_PER_SECOND = 2e9
@@ -84,18 +84,12 @@ class FragmentSim(FaultHandlers):
         self.network = Network(config.network)
         torch.manual_seed(config.seed)
         reference = build_model(config.model)
-        self.plan: FragmentPlan = build_plan(
-            tensor_specs(reference),
-            self.sync.fragments,
-            self.sync.strategy,
-            sync_every=self.sync.sync_every,
-            split_rows=self.sync.split_rows and self.sync.strategy == "balanced",
-        )
+        self.plan: FragmentPlan = self.sync.fragment_plan(reference)
         self.ledger = TokenLedger(self.plan.num_fragments)
         self.syncer = SyncerState(
             self.plan,
             dict(reference.named_parameters()),
-            SyncerConfig(self.sync.rounds(), self.sync.merge_rule, self.sync.outer()),
+            self.sync.syncer_config(),
             plain_tensors=embedding_names(reference),
             ledger=self.ledger,
         )

@@ -1,7 +1,8 @@
-"""One simulated learner's real training: a model replica, AdamW, its data shard.
+"""One learner's real training: a model replica, AdamW, its data shard.
 
-Time is the engine's business; this class only trains, evaluates and copies state. The
-same class serves the data-parallel baseline (one replica fed the global batch).
+Time and the network are the runtime's business; this class only trains, evaluates and
+copies state, so both clocks (the simulated engine and the learner processes) and the
+data-parallel baseline (one replica fed the global batch) share it.
 """
 
 from __future__ import annotations
