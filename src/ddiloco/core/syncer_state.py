@@ -48,6 +48,43 @@ class SyncerConfig:
         )
 
 
+def workspace_views(workspace: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """``like``'s shapes laid over the front of a flat merge workspace."""
+    views, offset = [], 0
+    for t in like:
+        views.append(workspace[offset : offset + t.numel()].view(t.shape))
+        offset += t.numel()
+    return views
+
+
+@torch.no_grad()
+def merge_step(
+    fragment: list[torch.Tensor],
+    outer: OuterOptimizer,
+    deltas: Sequence[Sequence[torch.Tensor]],
+    weights: Sequence[float],
+    norms: Sequence[Sequence[float]],
+    rule: str,
+    plain: Sequence[bool],
+    workspace: torch.Tensor,
+) -> float:
+    """One merge of one fragment: the weighted outer gradient (RDA or mean) of the deltas,
+    built in ``workspace``, then the outer step in place. Returns the update's L2 norm.
+
+    The one place the merge arithmetic lives: the syncer and any replay of its record (an
+    audit, a restarted service) call it, so they get the same bits.
+    """
+    if sum(weights) <= 0.0:
+        return 0.0
+    merged = merge(
+        deltas, weights, rule, plain, norms=norms, out=workspace_views(workspace, fragment),
+        scale=-1.0,  # outer gradient = Theta_base - theta = -delta
+    )  # fmt: skip
+    norm = math.sqrt(sum(n * n for n in tensor_norms(merged)))
+    outer.step(fragment, merged)  # may consume ``merged``: the norm is taken first
+    return norm
+
+
 @dataclass(frozen=True)
 class MergeResult:
     """A merged fragment to broadcast, and what went into it."""
@@ -165,19 +202,10 @@ class SyncerState:
         per_learner: dict[int, float] = {}
         for a, w in zip(closed.answers, weights, strict=True):
             per_learner[a.learner] = per_learner.get(a.learner, 0.0) + w
-        update_norm = 0.0
-        if sum(weights) > 0.0:
-            merged = merge(
-                deltas,
-                weights,
-                self.config.merge_rule,
-                self.plain_mask[p],
-                norms=norms,
-                out=self._views(p),
-                scale=-1.0,  # outer gradient = Theta_base - theta = -delta
-            )
-            update_norm = math.sqrt(sum(n * n for n in tensor_norms(merged)))
-            self.outer[p].step(self.fragments[p], merged)
+        update_norm = merge_step(
+            self.fragments[p], self.outer[p], deltas, weights, norms,
+            self.config.merge_rule, self.plain_mask[p], self._workspace,
+        )  # fmt: skip
         version = self.policy.on_merged(closed)
         for a, w in zip(closed.answers, weights, strict=True):
             if self.ledger is not None:
@@ -185,13 +213,30 @@ class SyncerState:
         self._count("merged_rounds")
         return MergeResult(p, version, self.fragments[p], closed, per_learner, update_norm)
 
-    def _views(self, p: int) -> list[torch.Tensor]:
-        """Fragment p's shapes laid over the shared merge workspace."""
-        views, offset = [], 0
-        for t in self.fragments[p]:
-            views.append(self._workspace[offset : offset + t.numel()].view(t.shape))
-            offset += t.numel()
-        return views
+    @torch.no_grad()
+    def restore_fragment(
+        self,
+        p: int,
+        values: Sequence[torch.Tensor],
+        outer_state: Mapping[str, object],
+        version: int,
+        next_round_id: int,
+        applied: Collection[tuple[int, int, int]],
+        merged_base: Mapping[tuple[int, int], int],
+    ) -> None:
+        """Load fragment ``p``'s durable state (a restarted syncer): values, outer optimizer,
+        version, round ids, and which answers were already merged, so none is merged twice."""
+        shapes = [tuple(t.shape) for t in self.fragments[p]]
+        require([tuple(t.shape) for t in values] == shapes, f"fragment-{p}", "shapes",
+                "do not match this model's plan")  # fmt: skip
+        for dst, src in zip(self.fragments[p], values, strict=True):
+            dst.copy_(src)
+        self.outer[p].load_state_dict(dict(outer_state))
+        self.policy.versions[p] = version
+        self.policy.next_round_id[p] = next_round_id
+        self.policy.seen.update(applied)
+        for (learner, incarnation), base in merged_base.items():
+            self.policy.merged_base[(learner, incarnation, p)] = base
 
     def record_sync_time(self, seconds: float) -> None:
         """Merge + broadcast duration measured by the runtime, for the grace window."""

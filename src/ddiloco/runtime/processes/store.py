@@ -29,10 +29,10 @@ import msgpack
 import torch
 
 from ddiloco.core.codec import CodecSpec, decode_tensors, encode_tensors
-from ddiloco.core.merge import merge, tensor_norms, token_weight
+from ddiloco.core.merge import tensor_norms, token_weight
 from ddiloco.core.outer import make_outer_optimizer
-from ddiloco.core.syncer_state import MergeResult, SyncerConfig, SyncerState
-from ddiloco.errors import DDiLoCoError
+from ddiloco.core.syncer_state import MergeResult, SyncerConfig, SyncerState, merge_step
+from ddiloco.errors import ConfigError, DDiLoCoError
 
 MAGIC = b"DDSF"
 JOURNAL_MAGIC = b"DDSJ"
@@ -263,17 +263,11 @@ def restore(syncer: SyncerState, records: dict[int, FragmentRecord]) -> tuple[in
     for p, rec in sorted(records.items()):
         if not 0 <= p < len(syncer.fragments):
             raise StoreError("fragment", p, f"the plan has {len(syncer.fragments)} fragments")
-        shapes = [tuple(t.shape) for t in syncer.fragments[p]]
-        if [tuple(t.shape) for t in rec.values] != shapes:
-            raise StoreError(f"fragment-{p}", "shapes", "do not match this model's plan")
-        for dst, src in zip(syncer.fragments[p], rec.values, strict=True):
-            dst.copy_(src)
-        syncer.outer[p].load_state_dict(rec.outer)
-        policy.versions[p] = rec.version
-        policy.next_round_id[p] = rec.next_round_id
-        policy.seen.update(rec.applied)
-        for (lrn, inc), base in rec.merged_base.items():
-            policy.merged_base[(lrn, inc, p)] = base
+        try:
+            syncer.restore_fragment(p, rec.values, rec.outer, rec.version, rec.next_round_id,
+                                    rec.applied, rec.merged_base)  # fmt: skip
+        except ConfigError as exc:
+            raise StoreError(exc.field, exc.value, exc.why) from None
         step = max(step, rec.global_step)
         tokens = max(tokens, rec.tokens)
     policy.global_step = step
@@ -315,16 +309,8 @@ def replay_journal(
         answers = header["answers"]  # learner, incarnation, seq, base, c_steps, c_tokens
         merged.update((a[0], a[1], a[2]) for a in answers)
         weights = [token_weight(a[5], a[4]) for a in answers]
-        if sum(weights) > 0.0:
-            deltas = [decode_tensors(payload) for payload in payloads]
-            # norms and the workspace's layout as the syncer has them, for the same bits
-            # (a reduction's rounding depends on its input's memory alignment)
-            norms = [tensor_norms(d) for d in deltas]
-            views, at = [], 0
-            for t in fragments[p]:
-                views.append(workspace[at : at + t.numel()].view(t.shape))
-                at += t.numel()
-            update = merge(deltas, weights, config.merge_rule, plain_mask[p], norms=norms,
-                           out=views, scale=-1.0)  # fmt: skip
-            outers[p].step(fragments[p], update)
+        deltas = [decode_tensors(payload) for payload in payloads]
+        norms = [tensor_norms(d) for d in deltas]
+        merge_step(fragments[p], outers[p], deltas, weights, norms, config.merge_rule,
+                   plain_mask[p], workspace)  # fmt: skip
     return fragments, merged
