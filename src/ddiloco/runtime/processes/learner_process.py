@@ -2,7 +2,7 @@
 
 Owns the order of things in a learner's life on the wall clock: recover (from a healthy
 peer's snapshot, else from the syncer's global fragments), register, then train. Every
-step: one inner step (the sim's Trainer), the core's ``LearnerSync.stepped``, a progress
+step: one inner step (the shared Trainer), the core's ``LearnerSync.stepped``, a progress
 report handed to the link thread; between two steps, answer what the syncer asked (the
 core's ``answer`` snapshots the fragment, the link thread encodes and sends it), apply the
 merged fragments that arrived (the core's ``apply``), and build a snapshot if a newcomer
