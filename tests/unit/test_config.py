@@ -22,8 +22,9 @@ def test_overrides_are_typed_toml_values():
     assert cfg.hardware.speed == (1.0, 1.0, 1.18, 1.18)
 
 
-def test_round_trip_through_toml(tmp_path):
-    cfg = load_config("configs/smoke.toml", ["seed=7"])
+@pytest.mark.parametrize("name", ["smoke", "demo", "processes"])
+def test_shipped_configs_load_and_round_trip_through_toml(tmp_path, name):
+    cfg = load_config(f"configs/{name}.toml", ["seed=7"])
     path = tmp_path / "c.toml"
     path.write_text(to_toml(cfg))
     assert load_config(path) == cfg
