@@ -27,10 +27,8 @@ from typing import Any
 import torch
 
 from ddiloco.config import load_config
-from ddiloco.core.plans import gather
 from ddiloco.runtime.processes.launcher import Launcher
-from ddiloco.runtime.processes.setup import RunSetup
-from ddiloco.runtime.processes.store import SyncerStore, replay_journal
+from ddiloco.runtime.processes.store import SyncerStore, recompute
 
 OVERRIDES = [
     "model='gpt-tiny'", "methods=['decoupled']", "runtime='processes'", "train.learners=3",
@@ -87,14 +85,9 @@ class Soak:
 
 
 def audit(config: Any, store_dir: Path, acked: dict[int, int]) -> dict[str, Any]:
-    torch.set_num_threads(1)  # the syncer's merge threads: a reduction's bits depend on them
-    setup = RunSetup(config)
-    sync = setup.settings.sync
     store = SyncerStore(store_dir)
     records = store.load()
-    initial = [gather(setup.plan, p, setup.initial) for p in range(setup.plan.num_fragments)]
-    masks = [[s.name in setup.plain for s in f.slices] for f in setup.plan.fragments]
-    fragments, merged = replay_journal(store, initial, sync.syncer_config(), masks)
+    fragments, merged = recompute(config, store)
     lost = sum(max(0, v - records[p].version if p in records else v) for p, v in acked.items())
     doubled = sum(n - 1 for n in merged.values() if n > 1)
     equal = all(  # bit for bit: the syncer merges with 1 thread, and so does this audit

@@ -8,7 +8,6 @@ the tests hold on a slow, shared machine.
 from __future__ import annotations
 
 import json
-from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -16,11 +15,8 @@ import torch
 
 from ddiloco.commands.train import train
 from ddiloco.config import RunConfig, load_config
-from ddiloco.core.plans import gather
-from ddiloco.core.syncer_state import SyncerConfig
 from ddiloco.runtime.processes.launcher import Launcher
-from ddiloco.runtime.processes.setup import RunSetup
-from ddiloco.runtime.processes.store import SyncerStore, replay_journal
+from ddiloco.runtime.processes.store import SyncerStore, recompute
 
 BASE = [
     "model='gpt-tiny'",
@@ -102,22 +98,6 @@ def test_a_learner_killed_mid_run_recovers_from_a_peer_while_the_other_keeps_ste
     assert summary["rounds"] > 3
     assert any(r["kind"] == "round" and r["t"] > recovered["t"] and r["weights"].get("1")
                for r in records)  # fmt: skip  # the newcomer's answers are merged again
-
-
-def recompute(cfg: RunConfig, store: SyncerStore) -> tuple[list[list[torch.Tensor]], Counter]:
-    """The global fragments rebuilt from Theta_0 and the journal of merges, with the core's
-    merge and outer optimizer, and how often each answer key was merged."""
-    setup = RunSetup(cfg)
-    sync = setup.settings.sync
-    initial = [gather(setup.plan, p, setup.initial) for p in range(setup.plan.num_fragments)]
-    masks = [[s.name in setup.plain for s in f.slices] for f in setup.plan.fragments]
-    syncer_config = SyncerConfig(sync.rounds(), sync.merge_rule, sync.outer())
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as the syncer merges: a reduction's bits depend on it
-    try:
-        return replay_journal(store, initial, syncer_config, masks)
-    finally:
-        torch.set_num_threads(threads)
 
 
 def test_a_killed_syncer_restarts_from_its_durable_record_with_no_merge_lost_or_doubled(

@@ -6,11 +6,8 @@ from __future__ import annotations
 import torch
 
 from ddiloco.config import load_config
-from ddiloco.core.plans import gather
-from ddiloco.core.syncer_state import SyncerConfig
 from ddiloco.runtime.processes.launcher import Launcher
-from ddiloco.runtime.processes.setup import RunSetup
-from ddiloco.runtime.processes.store import SyncerStore, replay_journal
+from ddiloco.runtime.processes.store import SyncerStore, recompute
 
 FAULTS = "drop=0.02,duplicate=0.05,corrupt=0.03,truncate=0.02,delay=0.05,delay_seconds=0.05"
 
@@ -35,15 +32,9 @@ def test_a_run_through_a_faulty_network_finishes_and_its_merges_audit_clean(tmp_
     assert min(evals[1:]) < evals[0] - 1.0  # merges through the faulty network still help
     # nothing refused was applied, nothing applied twice: the durable state is exactly the
     # journal's merges, each answer merged once
-    setup = RunSetup(config)
-    sync = setup.settings.sync
     store = SyncerStore(tmp_path / "processes" / "syncer_state")
     durable = store.load()
-    initial = [gather(setup.plan, p, setup.initial) for p in range(setup.plan.num_fragments)]
-    masks = [[s.name in setup.plain for s in f.slices] for f in setup.plan.fragments]
-    fragments, merged = replay_journal(
-        store, initial, SyncerConfig(sync.rounds(), sync.merge_rule, sync.outer()), masks
-    )
+    fragments, merged = recompute(config, store)
     assert merged and max(merged.values()) == 1
     for p, rec in durable.items():
         for ours, theirs in zip(fragments[p], rec.values, strict=True):

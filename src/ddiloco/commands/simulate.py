@@ -15,6 +15,7 @@ import sys
 
 from ddiloco.cluster.params import ClusterParams, load_params, replace
 from ddiloco.cluster.table import render, run_table, to_json
+from ddiloco.commands import add_config_arguments
 from ddiloco.errors import ConfigError
 
 _SUFFIX = {"": 1, "k": 1_000, "m": 1_000_000, "g": 1_000_000_000}
@@ -33,8 +34,8 @@ def parse_chips(text: str) -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", help="a TOML parameter file (default: the paper set, "
-                        "configs/cluster_paper.toml)")  # fmt: skip
+    add_config_arguments(parser, "a TOML parameter file (default: the paper set, "
+                         "configs/cluster_paper.toml)", example="elastic.upscale_s=60")  # fmt: skip
     parser.add_argument("--realistic", action="store_true",
                         help="published-order restart/reconfiguration times "
                         "(configs/cluster_realistic.toml)")  # fmt: skip
@@ -56,13 +57,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seeds", type=int, help="seeds per cell (default 3)")
     parser.add_argument("--days", type=float, help="simulated days (default 30)")
     parser.add_argument("--seed", type=int, help="base seed (default 0)")
-    parser.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        metavar="SECTION.KEY=VALUE",
-        help="override a parameter, e.g. --set elastic.upscale_s=60",
-    )
     parser.add_argument("--plot", metavar="PNG", help="also write goodput vs chips to PNG")
     parser.add_argument("--json", action="store_true", help="print a JSON object")
     parser.add_argument("--quiet", action="store_true", help="no progress on stderr")

@@ -14,20 +14,14 @@ import threading
 import time
 from pathlib import Path
 
+from ddiloco.commands import add_config_arguments
 from ddiloco.config import load_config
 from ddiloco.runtime.processes.common import Events, load_secret, parse_address
 
 
 def add_common(parser: argparse.ArgumentParser) -> None:
     """Arguments the syncer and the learners share: the run's config, id and secret."""
-    parser.add_argument("--config", help="the run's TOML config (the same file for every process)")
-    parser.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a config value (repeatable)",
-    )
+    add_config_arguments(parser, "the run's TOML config (the same file for every process)")
     parser.add_argument("--run-id", help="the run's id, bound into every frame (default: name)")
     parser.add_argument("--secret-file", help="the run secret (default: $DDILOCO_SECRET, hex)")
     parser.add_argument("--method", default="decoupled", help="default: %(default)s")

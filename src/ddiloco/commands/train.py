@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from ddiloco.chaos.plan import ChaosEvent, ChaosGenerators, expand, load_plan, to_json
+from ddiloco.commands import add_config_arguments
 from ddiloco.config import RunConfig, load_config, to_toml
 from ddiloco.data.corpus import TokenSplits, eval_batches, split_corpus
 from ddiloco.models.registry import build_model
@@ -37,14 +38,7 @@ DEMO_CHAOS = (
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", help="a TOML file (see configs/); default: the demo")
-    parser.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a config value, e.g. --set sync.quorum=2 (repeatable)",
-    )
+    add_config_arguments(parser, "a TOML file (see configs/); default: the demo")
     parser.add_argument("--seed", type=int, help="override the config's seed")
     parser.add_argument("--out", help="run directory (default: runs/<name>-<time>)")
     parser.add_argument("--quiet", action="store_true", help="no live progress lines")

@@ -28,11 +28,14 @@ from typing import Any
 import msgpack
 import torch
 
+from ddiloco.config import RunConfig
 from ddiloco.core.codec import CodecSpec, decode_tensors, encode_tensors
 from ddiloco.core.merge import tensor_norms, token_weight
 from ddiloco.core.outer import make_outer_optimizer
+from ddiloco.core.plans import gather
 from ddiloco.core.syncer_state import MergeResult, SyncerConfig, SyncerState, merge_step
 from ddiloco.errors import ConfigError, DDiLoCoError
+from ddiloco.runtime.processes.setup import RunSetup
 
 MAGIC = b"DDSF"
 JOURNAL_MAGIC = b"DDSJ"
@@ -314,3 +317,20 @@ def replay_journal(
         merge_step(fragments[p], outers[p], deltas, weights, norms, config.merge_rule,
                    plain_mask[p], workspace)  # fmt: skip
     return fragments, merged
+
+
+def recompute(
+    config: RunConfig, store: SyncerStore
+) -> tuple[list[list[torch.Tensor]], Counter[Key]]:
+    """Audit a run: its global fragments rebuilt from Theta_0 and ``store``'s journal, and how
+    often each answer was merged. Merges on one torch thread, as the syncer does, so a faithful
+    store matches bit for bit (a reduction's rounding depends on the thread count)."""
+    setup = RunSetup(config)
+    initial = [gather(setup.plan, p, setup.initial) for p in range(setup.plan.num_fragments)]
+    masks = [[s.name in setup.plain for s in f.slices] for f in setup.plan.fragments]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return replay_journal(store, initial, setup.settings.sync.syncer_config(), masks)
+    finally:
+        torch.set_num_threads(threads)
