@@ -16,12 +16,18 @@ from __future__ import annotations
 import argparse
 import os
 import socket
+import statistics
 import struct
 import subprocess
 import sys
 import time
 
 SECRET = b"k" * 32
+RUN = "bench-wire"
+
+
+WINDOW = 4
+FRAGMENTS = 8
 
 
 def serve(kind: str, port: int, count: int) -> None:
@@ -36,9 +42,9 @@ def serve(kind: str, port: int, count: int) -> None:
             got = 0
             while got < n:
                 got += conn.recv_into(view[got:], n - got)
-        conn.sendall(b"k")
+            conn.sendall(b"k")
         return
-    if kind.startswith("zmq"):
+    if kind != "grpc":
         import zmq
 
         from ddiloco.runtime.processes.wire import Limits, Wire
@@ -46,13 +52,13 @@ def serve(kind: str, port: int, count: int) -> None:
         ctx = zmq.Context()
         sock = ctx.socket(zmq.ROUTER)
         sock.bind(f"tcp://127.0.0.1:{port}")
-        wire = Wire("bench", SECRET, "S", 1, Limits(max_payload=1 << 30))
+        wire = Wire(RUN, SECRET, "S", 1, Limits(max_payload=1 << 30))
         print("ready", flush=True)
         for _ in range(count):
             frames = sock.recv_multipart(copy=False)
-            if kind == "zmq+wire":
+            if kind.endswith("+wire"):
                 wire.decode([f.buffer for f in frames[1:]])
-        sock.send_multipart([frames[0].bytes, b"k"])
+            sock.send_multipart([frames[0].bytes, b"k"])
         time.sleep(0.2)
         return
     from concurrent import futures
@@ -75,30 +81,43 @@ def serve(kind: str, port: int, count: int) -> None:
     server.wait_for_termination(timeout=120)
 
 
-def client(kind: str, port: int, count: int, payload: bytes) -> float:
+def client(kind: str, port: int, count: int, payloads: list[bytes]) -> float:
     start = time.perf_counter()
     if kind == "raw":
         conn = socket.create_connection(("127.0.0.1", port))
         start = time.perf_counter()
-        for _ in range(count):
+        for i in range(count):
+            payload = payloads[i % len(payloads)]
             conn.sendall(struct.pack("<Q", len(payload)))
             conn.sendall(payload)
-        conn.recv(1)
-    elif kind.startswith("zmq"):
+            if i >= WINDOW:
+                conn.recv(1)
+        conn.recv(min(count, WINDOW), socket.MSG_WAITALL)
+    elif kind != "grpc":
         import zmq
 
+        from ddiloco.runtime.processes.shm import ShmWriter
         from ddiloco.runtime.processes.wire import Wire
 
         ctx = zmq.Context()
         sock = ctx.socket(zmq.DEALER)
         sock.connect(f"tcp://127.0.0.1:{port}")
-        wire = Wire("bench", SECRET, "L0", 1)
+        shm = ShmWriter(RUN, "L0", 1) if kind == "shm+wire" else None
+        wire = Wire(RUN, SECRET, "L0", 1, shm=shm)
         time.sleep(0.2)
         start = time.perf_counter()
-        for _ in range(count):
-            parts = wire.encode("answer", payload=payload) if kind == "zmq+wire" else [payload]
+        for i in range(count):
+            payload = payloads[i % len(payloads)]
+            if "+wire" in kind:
+                parts = wire.encode("answer", fragment=i % FRAGMENTS, payload=payload)
+            else:
+                parts = [payload]
             sock.send_multipart(parts, copy=False)
-        sock.recv()
+            if i >= WINDOW:
+                sock.recv()
+        for _ in range(min(count, WINDOW)):
+            sock.recv()
+        wire.close()
     else:
         import grpc
 
@@ -107,53 +126,62 @@ def client(kind: str, port: int, count: int, payload: bytes) -> float:
         grpc.channel_ready_future(channel).result(timeout=10)
         push = channel.stream_unary("/bench/push")
         start = time.perf_counter()
-        push(payload for _ in range(count))
+        push(payloads[i % len(payloads)] for i in range(count))
     return time.perf_counter() - start
 
 
-def measure(kind: str, port: int, count: int, payload: bytes) -> float | None:
+def measure(kind: str, port: int, count: int, payloads: list[bytes]) -> float | None:
     cmd = [sys.executable, __file__, "--serve", kind, "--port", str(port), "--count", str(count)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
     try:
         line = proc.stdout.readline() if proc.stdout else ""
         if line.strip() != "ready":
             return None
-        seconds = client(kind, port, count, payload)
+        seconds = client(kind, port, count, payloads)
     finally:
         proc.kill() if kind == "grpc" else proc.wait(timeout=60)
-    return count * len(payload) / seconds
+    return count * len(payloads[0]) / seconds
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--mib", type=float, default=2.0, help="message size (a fragment)")
     parser.add_argument("--count", type=int, default=100)
+    parser.add_argument("--repeat", type=int, default=3, help="rounds over all cases (median)")
     parser.add_argument("--serve")
     parser.add_argument("--port", type=int, default=0)
     args = parser.parse_args()
     if args.serve:
         serve(args.serve, args.port, args.count)
         return
-    payload = os.urandom(int(args.mib * (1 << 20)))
-    results: dict[str, float] = {}
-    for i, kind in enumerate(("raw", "zmq", "zmq+wire", "grpc")):
-        if kind == "grpc":
-            try:
-                import grpc  # noqa: F401
-            except ImportError:
-                print("grpc: skipped (pip install grpcio)")
+    payloads = [os.urandom(int(args.mib * (1 << 20))) for _ in range(4)]
+    kinds = ["raw", "zmq", "zmq+wire", "shm+wire", "grpc"]
+    try:
+        import grpc  # noqa: F401
+    except ImportError:
+        print("grpc: skipped (pip install grpcio)")
+        kinds.remove("grpc")
+    rates: dict[str, list[float]] = {kind: [] for kind in kinds}
+    for r in range(args.repeat):  # cases interleaved, so a noisy moment hits all of them
+        for i, kind in enumerate(kinds):
+            rate = measure(kind, 39_000 + 10 * r + i + os.getpid() % 1000, args.count, payloads)
+            if rate is None:
+                print(f"{kind}: server failed to start")
                 continue
-        rate = measure(kind, 39_000 + i + os.getpid() % 1000, args.count, payload)
-        if rate is None:
-            print(f"{kind}: server failed to start")
-            continue
-        results[kind] = rate
-        print(f"{kind:9s} {rate / 1e9:6.2f} GB/s", flush=True)
-    raw = results.get("raw")
-    if raw:
-        for kind, rate in results.items():
-            if kind != "raw":
-                print(f"{kind:9s} / raw = {rate / raw:.2f}")
+            rates[kind].append(rate)
+        print(" ".join(f"{k} {v[-1] / 1e9:.2f}" for k, v in rates.items() if v), "GB/s")
+    results = {kind: statistics.median(v) for kind, v in rates.items() if v}
+    for kind, rate in results.items():
+        print(f"{kind:9s} {rate / 1e9:6.2f} GB/s (median of {len(rates[kind])})")
+    from ddiloco.runtime.processes.shm import remove_run_directory
+
+    remove_run_directory(RUN)
+    if rates.get("raw"):  # per round, each case against the raw socket of that round
+        for kind, values in rates.items():
+            if kind != "raw" and len(values) == len(rates["raw"]):
+                ratios = [v / r for v, r in zip(values, rates["raw"], strict=True)]
+                print(f"{kind:9s} / raw = {statistics.median(ratios):.2f} "
+                      f"(rounds {min(ratios):.2f}..{max(ratios):.2f})")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -9,7 +9,9 @@ audited from the syncer's journal:
 
 - lost: a merge that was broadcast (acknowledged) but is missing from the durable state;
 - doubled: an answer merged twice, or a fragment version that appears twice or out of order;
-- the durable fragments must equal a recomputation from Theta_0 and the journal.
+- the durable fragments must equal a recomputation from Theta_0 and the journal;
+- the token ledger must balance with no contradicting call, across the syncer restarts
+  (the run's summary), and the durable ledger snapshot must balance too.
 
     .venv/bin/python benchmarks/soak_processes.py --kills 50
 """
@@ -27,6 +29,7 @@ from typing import Any
 import torch
 
 from ddiloco.config import load_config
+from ddiloco.core.ledger import TokenLedger
 from ddiloco.runtime.processes.launcher import Launcher
 from ddiloco.runtime.processes.store import SyncerStore, recompute
 
@@ -95,8 +98,11 @@ def audit(config: Any, store_dir: Path, acked: dict[int, int]) -> dict[str, Any]
         for p, rec in records.items()
         for a, b in zip(fragments[p], rec.values, strict=True)
     )
+    state = store.ledger_state
+    durable_ledger = state is not None and TokenLedger.from_state(state).balanced()
     return {"merges": sum(r.version for r in records.values()), "answers_merged": len(merged),
-            "lost": lost, "doubled": doubled, "recomputed_equal": equal}  # fmt: skip
+            "lost": lost, "doubled": doubled, "recomputed_equal": equal,
+            "durable_ledger_balanced": durable_ledger}  # fmt: skip
 
 
 def main() -> int:
@@ -122,7 +128,13 @@ def main() -> int:
           f"lost {result['lost']}, doubled {result['doubled']}, "
           f"recomputed == durable: {result['recomputed_equal']}, "
           f"refused frames {summary['refused']}")  # fmt: skip
+    print(f"ledger balanced {summary['ledger_balanced']}, errors {summary['ledger_errors']}, "
+          f"durable snapshot balanced {result['durable_ledger_balanced']}, "
+          f"restart reconciliation {summary.get('ledger_restart')}, "
+          f"tokens {summary['tokens']}, merged {summary['tokens_merged']:.0f}, "
+          f"wasted {summary['tokens_wasted']}")  # fmt: skip
     ok = result["lost"] == 0 and result["doubled"] == 0 and result["recomputed_equal"]
+    ok = ok and summary["ledger_balanced"] and result["durable_ledger_balanced"]
     return 0 if ok else 1
 
 

@@ -175,6 +175,7 @@ class ProcessesConfig:
     max_wall_seconds: float = 3600.0  # the launcher stops everything after this
     proxy: str = ""  # faults between learners and syncer, e.g. "drop=0.02,corrupt=0.01"
     ranks: int = 1  # data-parallel ranks per learner (torchrun; only rank 0 talks)
+    shared_memory: bool = True  # same-host fragments through /dev/shm (off behind a proxy)
 
     def __post_init__(self) -> None:
         for name in ("restart_delay_seconds", "detect_seconds", "max_wall_seconds"):

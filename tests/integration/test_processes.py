@@ -15,6 +15,7 @@ import torch
 
 from ddiloco.commands.train import train
 from ddiloco.config import RunConfig, load_config
+from ddiloco.core.ledger import TokenLedger
 from ddiloco.runtime.processes.launcher import Launcher
 from ddiloco.runtime.processes.store import SyncerStore, recompute
 
@@ -40,9 +41,7 @@ def config(*overrides: str) -> RunConfig:
 
 def launch(cfg: RunConfig, out: Path, hook) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     records: list[dict[str, Any]] = []
-    launcher = Launcher(cfg, "decoupled", out, records.append)
-    launcher.hooks.append(hook)
-    return launcher.run(), records
+    return Launcher(cfg, "decoupled", out, records.append, hooks=[hook]).run(), records
 
 
 def steps_of(records, learner: int) -> list[dict[str, Any]]:
@@ -133,3 +132,7 @@ def test_a_killed_syncer_restarts_from_its_durable_record_with_no_merge_lost_or_
         assert all(torch.equal(a, b) for a, b in zip(fragments[p], rec.values, strict=True))
     assert summary["rounds"] >= 8  # rounds merged after the restart
     assert any(r["kind"] == "restored" for r in records)
+    # the ledger restarted from its durable snapshot and reconciled what the learners told
+    # the dead syncer: every call made sense and every token is merged, wasted or pending
+    assert summary["ledger_errors"] == 0 and summary["ledger_balanced"], summary
+    assert store.ledger_state is not None and TokenLedger.from_state(store.ledger_state).balanced()

@@ -20,7 +20,7 @@ from ddiloco.core.plans import gather
 from ddiloco.runtime.processes.common import EVENT_PREFIX, SECRET_ENV
 from ddiloco.runtime.processes.launcher import free_port
 from ddiloco.runtime.processes.setup import RunSetup
-from ddiloco.runtime.processes.wire import PREFIX, Wire
+from ddiloco.runtime.processes.wire import PREFIX, VERSION, Wire
 
 SECRET = bytes(range(32))
 OVERRIDES = ["model='gpt-tiny'", "train.learners=1", "sync.fragments=2", "sync.sync_every=2",
@@ -75,7 +75,7 @@ def test_bad_frames_and_nan_updates_are_refused_logged_counted_and_never_applied
         corrupted[0] = corrupted[0][:-1] + bytes([corrupted[0][-1] ^ 1])
         head, body, _ = wire.encode("progress", learner=0, meta={"inc": 5})
         truncated = [head, body]
-        oversized = [PREFIX.pack(b"DDWF", 1, 0, 0, 10, 2**40) + b"x" * 10, b"", b"t" * 36]
+        oversized = [PREFIX.pack(b"DDWF", VERSION, 0, 0, 10, 2**40) + b"x" * 10, b"", b"t" * 64]
         forged = Wire("r1", b"y" * 32, "L0", 5).encode("progress", learner=0, meta={"inc": 5})
         other_run = Wire("r2", SECRET, "L0", 5).encode("progress", learner=0, meta={"inc": 5})
         for frame in (corrupted, truncated, oversized, good, forged, other_run):  # good: replay

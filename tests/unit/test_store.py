@@ -12,6 +12,7 @@ import time
 import pytest
 import torch
 
+from ddiloco.core.ledger import TokenLedger
 from ddiloco.core.plans import build_plan, tensor_specs
 from ddiloco.core.rounds import AnswerMeta
 from ddiloco.core.syncer_state import SyncerConfig, SyncerState
@@ -139,3 +140,45 @@ def test_a_writer_killed_at_a_random_moment_leaves_a_consistent_record(tmp_path)
         assert all(torch.equal(b, 2 * t) for b, t in zip(rec.outer["buffers"], rec.values,
                                                           strict=True))  # fmt: skip
         assert rec.applied == [(0, 1, v)] and rec.merged_base == {(0, 1): v}
+
+
+def test_the_ledger_is_restored_from_the_latest_snapshot_written_with_or_between_merges(tmp_path):
+    syncer = make_syncer()
+    store = SyncerStore(tmp_path)
+    assert store.load() == {} and store.ledger_state is None  # a fresh start
+    ledger = TokenLedger(2)
+    ledger.trained(0, 64)
+    result, meta = merge_once(syncer)
+    ledger.answered(0, result.fragment, meta.key, 64)
+    ledger.merged_answer(meta.key, 1.0)
+    with_merge = ledger.to_state()
+    store.save(record_of(syncer, result.fragment, 64, [meta.key], with_merge))
+    loaded = SyncerStore(tmp_path)
+    records = loaded.load()
+    assert loaded.ledger_state == with_merge and records[result.fragment].ledger == with_merge
+    ledger.trained(1, 32)  # between merges: ledger.bin holds a fresher snapshot
+    loaded.save_ledger(ledger.to_state())
+    again = SyncerStore(tmp_path)
+    again.load()
+    assert again.ledger_state == ledger.to_state() and again.seq == 2
+    # a merge written later wins over ledger.bin, whichever file is newer on disk
+    ledger.trained(1, 32)
+    again.save(record_of(syncer, result.fragment, 128, [meta.key], ledger.to_state()))
+    last = SyncerStore(tmp_path)
+    last.load()
+    assert last.ledger_state == ledger.to_state()
+    assert TokenLedger.from_state(last.ledger_state).trained_tokens == 128
+
+
+def test_a_torn_ledger_checkpoint_leaves_the_snapshot_of_the_last_merge(tmp_path):
+    syncer = make_syncer()
+    store = SyncerStore(tmp_path)
+    result, meta = merge_once(syncer)
+    ledger = TokenLedger(2)
+    ledger.trained(0, 64)
+    store.save(record_of(syncer, result.fragment, 64, [meta.key], ledger.to_state()))
+    (tmp_path / ".ledger.bin.tmp").write_bytes(b"DDSF\x00\x01")  # killed mid-checkpoint
+    loaded = SyncerStore(tmp_path)
+    loaded.load()
+    assert loaded.ledger_state == ledger.to_state()
+    assert not (tmp_path / ".ledger.bin.tmp").exists()

@@ -7,10 +7,12 @@ import struct
 import msgpack
 import pytest
 import torch
+from blake3 import blake3
 
 from ddiloco.core.codec import CodecSpec, encode_tensors
 from ddiloco.runtime.processes.wire import (
     PREFIX,
+    VERSION,
     Limits,
     Wire,
     WireError,
@@ -54,16 +56,16 @@ def test_a_joined_blob_decodes_like_its_parts():
     assert bytes(msg.payload) == b"xyz"
 
 
-@pytest.mark.parametrize("where", ["header", "payload", "trailer-crc"])
+@pytest.mark.parametrize("where", ["header", "payload", "trailer-digest"])
 def test_a_flipped_bit_is_refused_as_corrupted(where):
     tx, rx = pair()
     parts = tx.encode("answer", payload=b"\x01" * 100)
     blob = joined(parts)
     index = {"header": PREFIX.size + 3, "payload": len(parts[0]) + 50,
-             "trailer-crc": len(blob) - 34}[where]  # fmt: skip
+             "trailer-digest": len(blob) - 60}[where]  # fmt: skip
     blob[index] ^= 0x10
     err = refused(rx, blob, "checksum")
-    assert "crc32" in str(err)
+    assert "digest" in str(err)
 
 
 def test_a_truncated_frame_is_refused():
@@ -82,9 +84,9 @@ def test_an_oversized_frame_is_refused_before_allocating():
     err = refused(rx, joined(tx.encode("answer", payload=b"\0" * 101)), "oversized")
     assert err.field == "payload_len"
     # a forged length of 2**60 is refused from the 20-byte prefix alone
-    prefix = PREFIX.pack(b"DDWF", 1, 0, 0, 10, 2**60)
+    prefix = PREFIX.pack(b"DDWF", VERSION, 0, 0, 10, 2**60)
     assert refused(rx, bytearray(prefix), "oversized").field == "payload_len"
-    prefix = PREFIX.pack(b"DDWF", 1, 0, 0, 10**9, 0)
+    prefix = PREFIX.pack(b"DDWF", VERSION, 0, 0, 10**9, 0)
     assert refused(rx, bytearray(prefix), "oversized").field == "header_len"
 
 
@@ -120,11 +122,9 @@ def test_a_forged_header_with_a_recomputed_checksum_still_fails_the_hmac():
     header = msgpack.unpackb(bytes(head[PREFIX.size :]))
     header["l"] = 3  # claim to be another learner
     packed = msgpack.packb(header, use_bin_type=True)
-    new_head = PREFIX.pack(b"DDWF", 1, 0, 0, len(packed), 1) + packed
-    import zlib
-
-    crc = zlib.crc32(b"p", zlib.crc32(new_head))
-    forged_trailer = struct.pack("<I", crc) + bytes(trailer)[4:]
+    new_head = PREFIX.pack(b"DDWF", VERSION, 0, 0, len(packed), 1) + packed
+    digest = blake3(new_head + blake3(b"p").digest()).digest()  # anyone can compute this
+    forged_trailer = digest + bytes(trailer)[32:]
     refused(rx, [new_head, body, forged_trailer], "auth")
 
 

@@ -11,7 +11,9 @@ This is how goodput is computed honestly; it is pure bookkeeping, no tensors, no
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from ddiloco.errors import ConfigError, require
 
@@ -116,7 +118,74 @@ class TokenLedger:
             self._since_base[(learner, p)] = 0
             self._reserved[(learner, p)] = 0
 
+    # -- plain-data state (a restarted syncer's durable record) -------------------------------
+    def to_state(self) -> dict[str, Any]:
+        """Everything this ledger knows, as plain values (ints, floats, strings, lists and
+        string-keyed dicts), so any serializer (msgpack, JSON) can keep it. Answer keys must
+        be ints, strings or tuples of them; tuples become lists."""
+        return {
+            "num_fragments": self.num_fragments,
+            "trained_tokens": self.trained_tokens,
+            "trained_by_learner": [[m, t] for m, t in sorted(self.trained_by_learner.items())],
+            "since_base": _cells(self._since_base),
+            "reserved": _cells(self._reserved),
+            "answers": [
+                [_plain_key(k), a.learner, a.fragment, a.tokens] for k, a in self._answers.items()
+            ],
+            "merged": list(self.merged),
+            "merged_weight": self.merged_weight,
+            "wasted": {reason: list(v) for reason, v in sorted(self.wasted.items())},
+        }
+
+    def load_state(self, state: Mapping[str, Any]) -> None:
+        """Replace this ledger's content by ``state`` (from :meth:`to_state`); the state must
+        be for the same number of fragments and balanced, or ConfigError is raised."""
+        p = self.num_fragments
+        require(state.get("num_fragments") == p, "ledger.num_fragments",
+                state.get("num_fragments"), f"this run has {p} fragments")  # fmt: skip
+        try:
+            merged = [_count(v) for v in state["merged"]]
+            wasted = {str(r): [_count(v) for v in vals] for r, vals in state["wasted"].items()}
+            since = _uncells(state["since_base"], p)
+            reserved = _uncells(state["reserved"], p)
+            answers = {
+                _tuple_key(k): _Answer(int(m), _fragment(f, p), _count(t))
+                for k, m, f, t in state["answers"]
+            }
+            by_learner = {int(m): _count(t) for m, t in state["trained_by_learner"]}
+            trained = _count(state["trained_tokens"])
+            weight = float(state["merged_weight"])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ConfigError("ledger", type(exc).__name__, f"malformed state: {exc}") from None
+        require(len(merged) == p and all(len(v) == p for v in wasted.values()),
+                "ledger", "lengths", f"need {p} values per fragment")  # fmt: skip
+        self.trained_tokens = trained
+        self.trained_by_learner = defaultdict(int, by_learner)
+        self._since_base = defaultdict(int, since)
+        self._reserved = defaultdict(int, reserved)
+        self._answers = answers
+        self.merged = merged
+        self.merged_weight = weight
+        self.wasted = wasted
+        require(self.balanced(), "ledger", "state", "does not balance")
+
+    @classmethod
+    def from_state(cls, state: Mapping[str, Any]) -> TokenLedger:
+        ledger = cls(int(state["num_fragments"]))
+        ledger.load_state(state)
+        return ledger
+
     # -- totals -----------------------------------------------------------------------------
+    def counters(self, learner: int, fragment: int) -> tuple[int, int]:
+        """(fragment-tokens trained since the learner's base, the part reserved by answers)."""
+        return self._since_base.get((learner, fragment), 0), self._reserved.get(
+            (learner, fragment), 0
+        )
+
+    def is_open(self, key: object) -> bool:
+        """True while the answer ``key`` is recorded and neither merged nor wasted."""
+        return key in self._answers
+
     def pending(self) -> list[int]:
         """Per fragment: fragment-tokens not yet merged or wasted."""
         out = [0] * self.num_fragments
@@ -158,3 +227,39 @@ class TokenLedger:
 
     def _check_fragment(self, fragment: int) -> None:
         require(0 <= fragment < self.num_fragments, "fragment", fragment, "out of range")
+
+
+def _plain_key(key: object) -> Any:
+    if isinstance(key, tuple):
+        return [_plain_key(k) for k in key]
+    if isinstance(key, (int, str)) and not isinstance(key, bool):
+        return key
+    raise ConfigError("key", key, "only ints, strings and tuples of them have a plain state")
+
+
+def _tuple_key(value: Any) -> object:
+    if isinstance(value, list):
+        return tuple(_tuple_key(v) for v in value)
+    if isinstance(value, (int, str)) and not isinstance(value, bool):
+        return value
+    raise ValueError(f"answer key {value!r}")
+
+
+def _count(value: Any) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"token count {value!r}")
+    return value
+
+
+def _fragment(value: Any, num_fragments: int) -> int:
+    if not isinstance(value, int) or not 0 <= value < num_fragments:
+        raise ValueError(f"fragment {value!r}")
+    return value
+
+
+def _cells(table: Mapping[tuple[int, int], int]) -> list[list[int]]:
+    return [[m, p, v] for (m, p), v in sorted(table.items()) if v]
+
+
+def _uncells(rows: Any, num_fragments: int) -> dict[tuple[int, int], int]:
+    return {(int(m), _fragment(p, num_fragments)): _count(v) for m, p, v in rows}

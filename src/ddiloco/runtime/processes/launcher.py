@@ -7,9 +7,12 @@ metrics (so the run directory, summary and plots are the simulated clock's), res
 learner that dies (it recovers from a peer) and a syncer that dies (it resumes from its
 durable store), and plays the chaos plan for real: crash = SIGKILL then restart after
 ``duration``, freeze = SIGSTOP then SIGCONT, join = start a scavenged slot, leave = SIGTERM
-(a clean leave). Link faults (link_slow, link_cut) are not played yet: they are
-reported as skipped; slow = a duty cycle of SIGSTOP/SIGCONT so the slot runs 1/factor of the
-time. Event times are wall seconds since the launch.
+(a clean leave), slow = a duty cycle of SIGSTOP/SIGCONT so the slot runs 1/factor of the
+time, link_cut / link_slow = a command to the fault-injecting proxy (on its stdin, a pipe from
+here), which holds the learner's frames to and from the syncer for ``duration`` or caps its
+links at ``network.learner_syncer_gbps`` / factor. A plan with link faults gets a proxy (with
+no wire faults) even when ``processes.proxy`` is unset. Event times are wall seconds since
+the launch.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import functools
 import heapq
 import itertools
 import json
+import math
 import os
 import queue
 import secrets
@@ -29,7 +33,8 @@ import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import IO, Any
 
@@ -39,11 +44,13 @@ from ddiloco.errors import ConfigError
 from ddiloco.runtime.processes.common import EVENT_PREFIX, SECRET_ENV, parse_address
 from ddiloco.runtime.processes.proxy import Faults
 from ddiloco.runtime.processes.setup import PROCESS_METHODS
+from ddiloco.runtime.processes.shm import remove_run_directory
 
 RELAYED = ("step", "eval", "round", "drop", "recovered", "detected", "joined", "left",
            "restored", "leave", "syncer_up", "learner_up")  # fmt: skip
 SYNCER = "syncer"
 PROXY = "proxy"
+LINK_KINDS = ("link_slow", "link_cut")
 
 
 def free_port(host: str) -> int:
@@ -61,6 +68,7 @@ class Launcher:
         method: str,
         out: Path,
         emit: Callable[[dict[str, Any]], None],
+        hooks: Sequence[Callable[[Launcher, dict[str, Any]], None]] = (),
     ) -> None:
         if method not in PROCESS_METHODS:
             raise ConfigError("methods", method, f"the processes runtime runs {PROCESS_METHODS}")
@@ -71,13 +79,19 @@ class Launcher:
         host, port = parse_address(config.processes.bind, "processes.bind")
         self.address = f"{host}:{port or free_port(host)}"
         self.faults = Faults.parse(config.processes.proxy) if config.processes.proxy else None
+        if self.faults is None and any(e.kind in LINK_KINDS for e in config.chaos):
+            self.faults = Faults()  # a proxy that only plays the link faults
+        self.link_commands: list[tuple[float, dict[str, Any]]] = []  # (monotonic end, command)
         # learners talk to the fault-injecting proxy when there is one, else to the syncer
         self.learner_address = f"{host}:{free_port(host)}" if self.faults else self.address
         self.proxy_counts: dict[str, int] = {}
         self.config_path = out / "processes" / "config.toml"
         self.logs = out / "processes" / "logs"
         self.logs.mkdir(parents=True, exist_ok=True)
-        self.config_path.write_text(to_toml(config), encoding="utf-8")
+        # behind a proxy, payloads must cross it (to be delayed, held or damaged): no shm
+        shm = config.processes.shared_memory and self.faults is None
+        child = replace(config, processes=replace(config.processes, shared_memory=shm))
+        self.config_path.write_text(to_toml(child), encoding="utf-8")
         self.store = out / "processes" / "syncer_state"
         self.run_id = f"{config.name}-{secrets.token_hex(4)}"
         self.env = {**os.environ, SECRET_ENV: secrets.token_bytes(32).hex()}
@@ -91,7 +105,7 @@ class Launcher:
         self.summary: dict[str, Any] | None = None
         self.learner_done: dict[int, dict[str, Any]] = {}
         self.restarts: dict[str, int] = {}
-        self.hooks: list[Callable[[Launcher, dict[str, Any]], None]] = []
+        self.hooks = list(hooks)  # called with every event, in the launcher's thread
         self.stop_requested = False
         self.finished = threading.Event()  # the run is over: background chaos stops
 
@@ -110,8 +124,45 @@ class Launcher:
         assert self.faults is not None
         cmd = ["-m", "ddiloco.runtime.processes.proxy", "--listen", self.learner_address,
                "--target", self.address, "--faults", self.config.processes.proxy,
-               "--seed", str(self.config.seed)]  # fmt: skip
-        self._spawn(PROXY, cmd)
+               "--seed", str(self.config.seed), "--control",
+               "--gbps", repr(self.config.network.learner_syncer_gbps)]  # fmt: skip
+        old = self.procs.get(PROXY)
+        if old is not None and old.poll() is not None and old.stdin is not None:
+            old.stdin.close()
+        self._spawn(PROXY, cmd, control=True)
+        now = time.monotonic()  # a restarted proxy: the link faults still on, for what is left
+        for end, command in self.link_commands:
+            if end > now:
+                left = {"cut_seconds": end - now} if "cut_seconds" in command else {
+                    "seconds": 0.0 if math.isinf(end) else end - now}  # fmt: skip
+                self.send_link({**command, **left})
+
+    def send_link(self, command: dict[str, Any]) -> bool:
+        """One JSON line on the proxy's control pipe; False if there is no proxy to hear it."""
+        proc = self.procs.get(PROXY)
+        if proc is None or proc.poll() is not None or proc.stdin is None:
+            return False
+        try:
+            proc.stdin.write(json.dumps(command) + "\n")
+            proc.stdin.flush()
+        except (OSError, ValueError):  # a broken or closed pipe: it died
+            return False
+        return True
+
+    def play_link(self, event: ChaosEvent) -> str | None:
+        """link_cut / link_slow through the proxy; returns why it was not played, if not."""
+        if self.faults is None:
+            return "no proxy: set processes.proxy, or put the link fault in the chaos plan"
+        now, m = time.monotonic(), event.learner
+        if event.kind == "link_cut":
+            command: dict[str, Any] = {"link": m, "cut_seconds": event.duration}
+            end = now + event.duration
+        else:
+            command = {"link": m, "factor": event.factor, "seconds": event.duration}
+            end = now + event.duration if event.duration > 0 else math.inf
+        self.link_commands.append((end, command))
+        self.send_link(command)  # if the proxy is down, its restart replays what is left
+        return None
 
     def start_learner(self, m: int, join: bool = False) -> None:
         cmd = ["learner", "--syncer", self.learner_address, "--id", str(m), *self._common()]
@@ -121,7 +172,7 @@ class Launcher:
                    str(ranks), "-m", "ddiloco.cli", *cmd]  # fmt: skip
         self._spawn(f"learner-{m}", [*cmd, "--join"] if join else cmd)
 
-    def _spawn(self, name: str, args: list[str]) -> None:
+    def _spawn(self, name: str, args: list[str], control: bool = False) -> None:
         old = self.procs.get(name)
         if old is not None and old.poll() is None:
             return
@@ -129,6 +180,7 @@ class Launcher:
         log = (self.logs / f"{name}.log").open("a", encoding="utf-8")
         argv = [sys.executable, *(args if args[0] == "-m" else ["-m", "ddiloco.cli", *args])]
         proc = subprocess.Popen(argv, env=self.env, stdout=subprocess.PIPE, stderr=log, text=True,
+                                stdin=subprocess.PIPE if control else None,
                                 start_new_session=True)  # fmt: skip  # its own process group
         log.close()
         self.procs[name] = proc
@@ -142,17 +194,41 @@ class Launcher:
                     self.events.put((name, json.loads(line[len(EVENT_PREFIX) :])))
 
     def signal(self, name: str, sig: int) -> bool:
-        """Send ``sig`` to one of our own children: its process group (which it leads), so a
-        torchrun learner's ranks get it too."""
+        """Send ``sig`` to one of our own children: its process group (which it leads) and,
+        for a torchrun learner, its ranks' groups. torchrun starts every rank in a session of
+        its own, so a signal to the torchrun group alone reaches no rank: a crash would leave
+        the ranks training as orphans, a freeze or slowdown would stop only torchrun. The
+        ranks are found through /proc (Linux), before any of them is signalled."""
         proc = self.procs.get(name)
         if proc is None or proc.poll() is not None:
             return False
         if sig in (signal.SIGKILL, signal.SIGTERM):
             self.expected_exit.add(name)
+        groups = [proc.pid]
+        if name.startswith("learner-") and self.config.processes.ranks > 1:
+            children: dict[int, list[int]] = {}
+            with contextlib.suppress(OSError):
+                for entry in os.scandir("/proc"):
+                    with contextlib.suppress(OSError, ValueError, IndexError):
+                        pid = int(entry.name)
+                        stat = Path(entry.path, "stat").read_text()  # pid (comm) state ppid
+                        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+                        children.setdefault(ppid, []).append(pid)
+            todo, ours = list(children.get(proc.pid, [])), os.getpgrp()
+            while todo:
+                pid = todo.pop()
+                todo.extend(children.get(pid, []))
+                with contextlib.suppress(ProcessLookupError):
+                    group = os.getpgid(pid)
+                    if group not in (*groups, ours):
+                        groups.append(group)
         try:
             os.killpg(proc.pid, sig)
         except ProcessLookupError:
             return False
+        for group in groups[1:]:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(group, sig)
         return True
 
     def thaw(self, name: str) -> None:
@@ -186,6 +262,10 @@ class Launcher:
         elif event.kind == "slow" and event.factor > 1.0:
             threading.Thread(target=self.throttle, args=(name, event.factor, event.duration),
                              daemon=True).start()  # fmt: skip
+        elif event.kind in LINK_KINDS:
+            skipped = self.play_link(event)
+            if skipped:
+                record["skipped"] = skipped
         else:
             record["skipped"] = "not played by the processes runtime yet"
         self.emit(record)
@@ -243,6 +323,9 @@ class Launcher:
             self._wait_learners(10.0)
         finally:
             self.shutdown()
+            proxy = self.procs.get(PROXY)
+            if proxy is not None and proxy.stdin is not None:
+                proxy.stdin.close()  # its control pipe
         time.sleep(0.2)  # the proxy's last words: its counts
         while not self.events.empty():
             self._pump(0.0)
@@ -307,6 +390,7 @@ class Launcher:
             except subprocess.TimeoutExpired:
                 self.signal(name, signal.SIGKILL)
                 proc.wait()
+        remove_run_directory(self.run_id)  # shared-memory slots of killed processes
 
     def _totals(self, summary: dict[str, Any] | None) -> dict[str, Any]:
         assert summary is not None

@@ -31,6 +31,7 @@ from ddiloco.runtime.processes.link import SyncerLink
 from ddiloco.runtime.processes.peer import PeerError, SnapshotServer, fetch_snapshot
 from ddiloco.runtime.processes.ranks import Apply, RankGroup
 from ddiloco.runtime.processes.setup import RunSetup
+from ddiloco.runtime.processes.shm import writer_for
 from ddiloco.runtime.processes.wire import Limits, Wire
 from ddiloco.trainer import Trainer
 
@@ -79,7 +80,9 @@ class LearnerProcess:
         shapes = [[tuple(t.shape) for t in frag] for frag in self.sync.bases]
         self.shapes = shapes
         limits = Limits(max_payload=max(64 << 20, 4 * setup.plan.total_bytes))
-        wire = Wire(run_id, secret, f"L{learner}", self.incarnation, limits)
+        shm = writer_for(run_id, f"L{learner}", self.incarnation, syncer.rpartition(":")[0],
+                         config.processes.shared_memory)  # fmt: skip
+        wire = Wire(run_id, secret, f"L{learner}", self.incarnation, limits, shm=shm)
         self.link = SyncerLink(syncer, wire, learner, sync.codec_spec(), shapes)
         self.server = SnapshotServer(peer_host, run_id, secret, learner)
         self.leaving = threading.Event()

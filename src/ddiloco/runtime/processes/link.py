@@ -116,6 +116,7 @@ class SyncerLink(threading.Thread):
         time.sleep(flush_seconds if self.registered else 0.0)
         self._closing.set()
         self.join(timeout=5.0)
+        self.wire.close()
 
     # -- the thread -------------------------------------------------------------------------
     def run(self) -> None:

@@ -5,8 +5,16 @@ connect to it as if it were the syncer) and the syncer (to which it connects onc
 learner, under that learner's identity), and on the way drops, delays (so reorders),
 duplicates, truncates and corrupts them at the rates of a :class:`Faults` spec such as
 ``"drop=0.02,duplicate=0.02,corrupt=0.01,truncate=0.01,delay=0.05"``. Seeded, so a spec and a
-seed replay the same decisions for the same traffic. Run by the launcher when
-``processes.proxy`` is set, or by hand::
+seed replay the same decisions for the same traffic.
+
+It also plays the chaos plan's link faults, as the simulated clock models them
+(:class:`LinkShaper`): each learner has one link each way; ``link_cut`` makes both carry
+nothing for a while (frames are held, in order, and released when the cut ends) and
+``link_slow`` divides their bandwidth (``--gbps``, the run's ``network.learner_syncer_gbps``)
+by a factor. Commands come from the launcher on stdin (``--control``), one JSON object a
+line: ``{"link": 2, "cut_seconds": 5.0}`` or ``{"link": 2, "factor": 4.0, "seconds": 0}``
+(0: to the end); a bad one is logged and ignored. Run by the launcher when
+``processes.proxy`` is set or the plan has link faults, or by hand::
 
     python -m ddiloco.runtime.processes.proxy --listen 127.0.0.1:6000 \
         --target 127.0.0.1:5555 --faults drop=0.01,corrupt=0.01
@@ -19,20 +27,34 @@ import dataclasses
 import heapq
 import itertools
 import json
+import logging
+import math
+import queue
 import random
+import re
 import signal
 import sys
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass
+from typing import IO, Any, Generic, TypeVar
 
 import zmq
 
+from ddiloco.config import NetworkConfig
 from ddiloco.errors import ConfigError, require
 from ddiloco.runtime.processes.common import EVENT_PREFIX, Socket
 
+log = logging.getLogger(__name__)
+
 KINDS = ("drop", "duplicate", "corrupt", "truncate", "delay")
+DEFAULT_GBPS = NetworkConfig().learner_syncer_gbps
+MAX_COMMAND_BYTES = 1024
+MAX_LINK = 1_000_000
+UP, DOWN = "up", "down"  # learner -> syncer, syncer -> learner
+LEARNER_IDENTITY = re.compile(rb"L(\d{1,6})")
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -69,10 +91,166 @@ class Faults:
         return cls(**values)
 
 
-class FaultProxy:
-    """Forwards learner <-> syncer traffic, injuring it on the way."""
+@dataclass(frozen=True)
+class LinkCommand:
+    """Cut learner ``link``'s links for ``cut_seconds``, or divide their bandwidth by
+    ``factor`` for ``seconds`` (0: to the end)."""
 
-    def __init__(self, listen: str, target: str, faults: Faults, seed: int = 0) -> None:
+    link: int
+    cut_seconds: float | None = None
+    factor: float | None = None
+    seconds: float = 0.0
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a number")
+
+
+def _number(data: dict[str, Any], key: str, positive: bool) -> float:
+    value = data[key]
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"{key!r} must be a number, got {value!r}")
+    try:
+        number = float(value)
+    except OverflowError:
+        number = math.inf
+    if not math.isfinite(number) or number < 0 or (positive and number == 0):
+        raise ValueError(f"{key!r} must be finite and {'> 0' if positive else '>= 0'}: {number}")
+    return number
+
+
+def parse_command(raw: bytes | str) -> LinkCommand:
+    """One control line -> a :class:`LinkCommand`; a ValueError says what is wrong with it.
+    Plain JSON only (never pickle); unknown keys, NaN/Infinity and booleans are refused."""
+    if len(raw) > MAX_COMMAND_BYTES:
+        raise ValueError(f"longer than {MAX_COMMAND_BYTES} bytes")
+    text = raw.decode("utf-8") if isinstance(raw, bytes) else raw
+    try:
+        data = json.loads(text, parse_constant=_reject_constant)
+    except RecursionError:
+        raise ValueError("nested too deep") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"expected a JSON object, got {type(data).__name__}")
+    link = data.get("link")
+    if isinstance(link, bool) or not isinstance(link, int) or not 0 <= link < MAX_LINK:
+        raise ValueError(f"'link' must be a learner id in [0, {MAX_LINK}), got {link!r}")
+    keys = set(data) - {"link"}
+    if keys == {"cut_seconds"}:
+        return LinkCommand(link, cut_seconds=_number(data, "cut_seconds", positive=False))
+    if keys in ({"factor"}, {"factor", "seconds"}):
+        seconds = _number(data, "seconds", positive=False) if "seconds" in data else 0.0
+        return LinkCommand(link, factor=_number(data, "factor", positive=True), seconds=seconds)
+    raise ValueError(f"expected keys link+cut_seconds or link+factor[+seconds], got {sorted(data)}")
+
+
+class _Frame(Generic[T]):
+    __slots__ = ("done", "item", "nbytes", "ready")
+
+    def __init__(self, ready: float, nbytes: int, item: T) -> None:
+        self.ready, self.nbytes, self.item = ready, nbytes, item
+        self.done: float | None = None  # when it has gone through the link, once started
+
+
+class LinkShaper(Generic[T]):
+    """Each learner's two links (``up``, ``down``) as the simulated clock's Network has them.
+
+    A link carries one frame at a time, in order. ``cut``: nothing starts until the cut ends
+    (frames wait, none is dropped; one already going through finishes). ``slow``: a frame
+    takes nbytes / (gbps / factor) to go through; after ``seconds`` (0: never) the factor goes
+    back to 1, as the simulated clock restores it. At factor 1 nothing is added: frames pass
+    at whatever speed the real network has. Pure bookkeeping on the times handed in.
+    """
+
+    def __init__(self, gbps: float, counts: Counter[str] | None = None) -> None:
+        require(gbps > 0 and math.isfinite(gbps), "proxy.gbps", gbps, "must be > 0")
+        self.gbps = gbps
+        self.counts: Counter[str] = Counter() if counts is None else counts
+        self.cut_until: dict[int, float] = {}
+        self.factor: dict[int, float] = {}
+        self.restores: list[tuple[float, int, int]] = []  # (when, tie, learner): factor -> 1
+        self.free_at: dict[tuple[str, int], float] = {}
+        self.queues: dict[tuple[str, int], deque[_Frame[T]]] = {}
+        self._tie = itertools.count()
+
+    def cut(self, learner: int, now: float, seconds: float) -> None:
+        self.cut_until[learner] = max(now + seconds, self.cut_until.get(learner, 0.0))
+        self.counts["link_cut"] += 1
+
+    def slow(self, learner: int, now: float, factor: float, seconds: float) -> None:
+        self._restore(now)
+        self.factor[learner] = factor
+        if seconds > 0:
+            heapq.heappush(self.restores, (now + seconds, next(self._tie), learner))
+        self.counts["link_slow"] += 1
+
+    def apply(self, command: LinkCommand, now: float) -> None:
+        if command.cut_seconds is not None:
+            self.cut(command.link, now, command.cut_seconds)
+        elif command.factor is not None:
+            self.slow(command.link, now, command.factor, command.seconds)
+
+    def _restore(self, now: float) -> None:
+        while self.restores and self.restores[0][0] <= now:
+            self.factor[heapq.heappop(self.restores)[2]] = 1.0
+
+    def submit(self, learner: int, direction: str, now: float, nbytes: int, item: T) -> bool:
+        """Hand a frame to a link at ``now``: True if it may go at once (nothing to emulate),
+        else it is queued and :meth:`due` returns it when it has gone through."""
+        self._restore(now)
+        key = (direction, learner)
+        cut = now < self.cut_until.get(learner, 0.0)
+        if (not self.queues.get(key) and not cut and now >= self.free_at.get(key, 0.0)
+                and self.factor.get(learner, 1.0) <= 1.0):  # fmt: skip
+            return True
+        self.counts["held" if cut else "queued"] += 1
+        self.queues.setdefault(key, deque()).append(_Frame(now, nbytes, item))
+        return False
+
+    def due(self, now: float) -> list[T]:
+        """The frames that have gone through their link by ``now``, each link's in order."""
+        self._restore(now)
+        out: list[T] = []
+        for key, frames in self.queues.items():
+            while frames:
+                head = frames[0]
+                if head.done is None:
+                    start = max(head.ready, self.free_at.get(key, 0.0),
+                                self.cut_until.get(key[1], 0.0))  # fmt: skip
+                    if start > now:
+                        break
+                    factor = self.factor.get(key[1], 1.0)
+                    wire = head.nbytes * 8.0 / (self.gbps * 1e9) * factor if factor > 1 else 0
+                    if factor > 1:
+                        self.counts["slowed"] += 1
+                    head.done = start + wire
+                if head.done > now:
+                    break
+                self.free_at[key] = head.done
+                out.append(frames.popleft().item)
+        for key in [k for k, frames in self.queues.items() if not frames]:
+            del self.queues[key]
+        return out
+
+    def pending(self) -> int:
+        return sum(len(frames) for frames in self.queues.values())
+
+
+def learner_of(ident: bytes) -> int | None:
+    """The learner a zmq identity (``b"L3"``) stands for; None for anything else."""
+    match = LEARNER_IDENTITY.fullmatch(ident)
+    return int(match.group(1)) if match else None
+
+
+Queued = tuple[Socket, list[bytes]]
+
+
+class FaultProxy:
+    """Forwards learner <-> syncer traffic, injuring it on the way and shaping each learner's
+    links as the chaos plan says."""
+
+    def __init__(
+        self, listen: str, target: str, faults: Faults, seed: int = 0, gbps: float = DEFAULT_GBPS
+    ) -> None:
         self.faults = faults
         self.target = target
         self.rng = random.Random(seed)
@@ -84,9 +262,11 @@ class FaultProxy:
         self.backs: dict[bytes, Socket] = {}
         self.poller = zmq.Poller()
         self.poller.register(self.front, zmq.POLLIN)
-        self.delayed: list[tuple[float, int, Socket, list[bytes]]] = []
+        self.delayed: list[tuple[float, int, Socket, list[bytes], int | None, str]] = []
         self._tie = itertools.count()
         self.counts: Counter[str] = Counter()
+        self.links: LinkShaper[Queued] = LinkShaper(gbps, self.counts)
+        self.commands: queue.SimpleQueue[LinkCommand | str] = queue.SimpleQueue()
         self.stop = threading.Event()
 
     def _back(self, ident: bytes) -> Socket:
@@ -124,14 +304,58 @@ class FaultProxy:
             return [parts, parts]
         return [parts]
 
-    def _forward(self, sock: Socket, parts: list[bytes]) -> None:
+    def _forward(
+        self, sock: Socket, parts: list[bytes], learner: int | None, direction: str
+    ) -> None:
         for copy in self.injure(parts):
             if self.rng.random() < self.faults.delay:
                 self.counts["delayed"] += 1
                 due = time.monotonic() + self.faults.delay_seconds * (0.5 + self.rng.random())
-                heapq.heappush(self.delayed, (due, next(self._tie), sock, copy))
+                heapq.heappush(self.delayed, (due, next(self._tie), sock, copy, learner,
+                                              direction))  # fmt: skip
             else:
-                self._send(sock, copy)
+                self._onto_link(sock, copy, learner, direction)
+
+    def _onto_link(
+        self, sock: Socket, parts: list[bytes], learner: int | None, direction: str
+    ) -> None:
+        """Through the learner's emulated link (injured first, as on a real path)."""
+        nbytes = sum(len(p) for p in parts)
+        if learner is None or self.links.submit(learner, direction, time.monotonic(), nbytes,
+                                                (sock, parts)):  # fmt: skip
+            self._send(sock, parts)
+
+    def read_commands(self, stream: IO[bytes]) -> None:
+        """The control channel (a thread): one JSON command a line, parsed here and applied
+        by :meth:`serve`; a bad line is handed on as its error message."""
+        while True:
+            line = stream.readline(MAX_COMMAND_BYTES + 1)
+            if not line:
+                return  # end of input: no more commands; forwarding goes on
+            if len(line) > MAX_COMMAND_BYTES and not line.endswith(b"\n"):
+                while line and not line.endswith(b"\n"):  # skip the rest of it
+                    line = stream.readline(MAX_COMMAND_BYTES + 1)
+                self.commands.put(f"a line longer than {MAX_COMMAND_BYTES} bytes")
+                continue
+            if not line.strip():
+                continue
+            try:
+                self.commands.put(parse_command(line.strip()))
+            except ValueError as exc:  # JSON and UTF-8 errors are ValueErrors too
+                self.commands.put(f"{exc} in {line[:200]!r}")
+
+    def _apply_commands(self) -> None:
+        while True:
+            try:
+                command = self.commands.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(command, str):
+                self.counts["bad_commands"] += 1
+                log.warning("proxy: ignored a bad control command: %s", command)
+            else:
+                self.links.apply(command, time.monotonic())
+                log.info("proxy: %s", command)
 
     def _send(self, sock: Socket, parts: list[bytes]) -> None:
         try:
@@ -148,13 +372,18 @@ class FaultProxy:
                     except zmq.Again:
                         break
                     if sock is self.front:  # learner -> syncer
-                        self._forward(self._back(frames[0]), frames[1:])
+                        learner = learner_of(frames[0])
+                        self._forward(self._back(frames[0]), frames[1:], learner, UP)
                     else:  # syncer -> learner
                         ident = sock.getsockopt(zmq.IDENTITY)
-                        self._forward(self.front, [ident, *frames])
+                        assert isinstance(ident, bytes)
+                        self._forward(self.front, [ident, *frames], learner_of(ident), DOWN)
+            self._apply_commands()
             now = time.monotonic()
             while self.delayed and self.delayed[0][0] <= now:
-                _, _, sock, parts = heapq.heappop(self.delayed)
+                _, _, sock, parts, learner, direction = heapq.heappop(self.delayed)
+                self._onto_link(sock, parts, learner, direction)
+            for sock, parts in self.links.due(time.monotonic()):
                 self._send(sock, parts)
         for sock in (self.front, *self.backs.values()):
             sock.close(0)
@@ -166,9 +395,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--target", required=True, help="HOST:PORT of the syncer")
     parser.add_argument("--faults", default="", help="e.g. drop=0.02,corrupt=0.01,delay=0.05")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--gbps", type=float, default=DEFAULT_GBPS,
+                        help="a learner link's nominal Gbit/s (link_slow divides it)")  # fmt: skip
+    parser.add_argument("--control", action="store_true",
+                        help="read link commands on stdin, one JSON object a line")  # fmt: skip
     args = parser.parse_args(argv)
-    proxy = FaultProxy(args.listen, args.target, Faults.parse(args.faults), args.seed)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(message)s")  # fmt: skip
+    proxy = FaultProxy(args.listen, args.target, Faults.parse(args.faults), args.seed, args.gbps)
     signal.signal(signal.SIGTERM, lambda *_: proxy.stop.set())
+    if args.control:
+        threading.Thread(target=proxy.read_commands, args=(sys.stdin.buffer,),
+                         daemon=True).start()  # fmt: skip
     print(EVENT_PREFIX + json.dumps({"kind": "proxy_up", "t": 0.0}), flush=True)
     proxy.serve()
     record = {"kind": "proxy", "t": 0.0, "counts": dict(sorted(proxy.counts.items()))}

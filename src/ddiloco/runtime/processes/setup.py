@@ -8,14 +8,16 @@ config file, so nothing but algorithm state crosses the wire.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import Any
 
 import torch
 from torch import nn
 
 from ddiloco.config import RunConfig
-from ddiloco.core.ledger import TokenLedger
+from ddiloco.core.ledger import CRASH, TokenLedger
 from ddiloco.core.plans import FragmentPlan, scatter
 from ddiloco.data.corpus import TokenSplits, eval_batches, split_corpus
 from ddiloco.errors import ConfigError
@@ -85,14 +87,36 @@ def eval_loss(setup: RunSetup, fragments: list[list[torch.Tensor]]) -> float:
 
 
 class TolerantLedger(TokenLedger):
-    """The core's ledger, fed over a lossy network: a restarted syncer starts a fresh ledger
-    and a learner given up for dead may come back, so a record can contradict what the
-    ledger knows. Such a call is counted in ``errors`` (the summary then reports the ledger
-    as unbalanced) instead of stopping the syncer."""
+    """The core's ledger, fed over a lossy network, and part of the syncer's durable state.
+
+    A learner given up for dead may come back, so a record can contradict what the ledger
+    knows: such a call is counted in ``errors`` (the summary then reports the ledger as
+    unbalanced) instead of stopping the syncer.
+
+    A restarted syncer loads the ledger from its latest durable snapshot (taken atomically
+    with each merge's fragment file, and between merges); what learners reported to the dead
+    syncer after that snapshot is reconciled from what they say next (docs/decisions.md 33):
+    a rebase it missed shows in the learner's hello (a base version beyond the last one
+    counted), trained tokens it missed in the first progress report's step count, or else in
+    an answer whose counter exceeds what the ledger saw (counted as trained then: they are
+    re-reported, never invented); an answer re-pushed from before the restart adds no tokens
+    twice. Reconciliation holds only for learner lives restored from a snapshot.
+    """
 
     def __init__(self, num_fragments: int) -> None:
         super().__init__(num_fragments)
         self.errors = 0
+        self.lives: dict[int, int] = {}  # learner -> incarnation the ledger's state is of
+        self.floor: dict[tuple[int, int], int] = {}  # base version of the last counted rebase
+        self.last_step: dict[int, tuple[int, int]] = {}  # learner -> (step, tokens per step)
+        self.restart: dict[str, int] = {"rereported": 0, "lost_rebases": 0,
+                                        "stale_repushes": 0, "repushed_open": 0}  # fmt: skip
+        self.spans_restart: set[int] = set()  # lives restored from a snapshot
+        self.unconfirmed: set[int] = set()  # ... not yet heard from (no hello yet)
+        self.gap_check: set[int] = set()  # ... whose first progress report is still due
+        self.restored_open: set[object] = set()  # answers open in the snapshot
+        self._early: dict[int, int] = {}  # tokens answers re-reported before the gap check
+        self._held: list[tuple[object, float]] | None = None
 
     def _guard(self, fn: object, *args: object) -> None:
         try:
@@ -100,20 +124,114 @@ class TolerantLedger(TokenLedger):
         except ConfigError:
             self.errors += 1
 
+    # -- the learner side, as the syncer service reports it --------------------------------
+    def joined(self, learner: int, incarnation: int, step: int, versions: list[int]) -> None:
+        """A hello. A new life: whatever the old one held is lost. The first hello of a life
+        restored from a snapshot: the fragments it rebased onto since then are rebased here
+        (before any token it reports to this syncer life)."""
+        old = self.lives.get(learner)
+        if old is not None and old != incarnation:
+            self.crashed(learner, CRASH)
+        if self.lives.get(learner) != incarnation:  # a life this ledger starts now
+            self.lives[learner] = incarnation
+            self.last_step[learner] = (step, 0)
+            for p, v in enumerate(versions[: self.num_fragments]):
+                self.floor[(learner, p)] = int(v)
+            return
+        if learner in self.unconfirmed:
+            self.unconfirmed.discard(learner)
+            for p, v in enumerate(versions[: self.num_fragments]):
+                if int(v) > self.floor.get((learner, p), 0):
+                    self.restart["lost_rebases"] += 1
+                    self.rebased(learner, p, int(v))
+
+    def reported(
+        self, learner: int, step: int, tokens: int, rebased: list[int], versions: list[int]
+    ) -> int:
+        """A progress report (rebases first, then the step's tokens); returns the tokens it
+        counts, with those a restarted syncer missed (the steps since the last report)."""
+        for p in rebased:
+            self.rebased(learner, p, versions[p] if 0 <= p < len(versions) else None)
+        last, per_step = self.last_step.get(learner, (step, 0))
+        missed = 0
+        if learner in self.gap_check:  # the first report since a restart: steps it missed
+            self.gap_check.discard(learner)
+            early = self._early.pop(learner, 0)  # already re-reported by answers
+            missed = max(0, (step - last) * per_step - tokens - early)
+            self.restart["rereported"] += missed
+        elif step > last and tokens > 0 and tokens % (step - last) == 0:
+            per_step = tokens // (step - last)
+        self.last_step[learner] = (max(step, last), per_step)
+        self.trained(learner, tokens + missed)
+        return tokens + missed
+
     def trained(self, learner: int, tokens: int) -> None:
         self._guard(super().trained, learner, tokens)
 
-    def answered(self, learner: int, fragment: int, key: object, c_tokens: int) -> int:
+    def answered(
+        self, learner: int, fragment: int, key: object, c_tokens: int, base: int | None = None
+    ) -> int:
+        if learner in self.spans_restart and 0 <= fragment < self.num_fragments:
+            if key in self.restored_open and self.is_open(key):
+                self.restored_open.discard(key)  # the same answer, re-pushed
+                self.restart["repushed_open"] += 1
+                return 0
+            since, reserved = self.counters(learner, fragment)
+            older = base is not None and base < self.floor.get((learner, fragment), 0)
+            if (older or c_tokens < reserved) and not self.is_open(key):
+                # sent before a rebase (or a later answer) the ledger counted: no new tokens
+                self.restart["stale_repushes"] += 1
+                self._guard(super().answered, learner, fragment, key, reserved)
+                return 0
+            if c_tokens > since:  # trained before the restart, reported to the lost life
+                self.restart["rereported"] += c_tokens - since
+                if learner in self.gap_check:
+                    self._early[learner] = self._early.get(learner, 0) + c_tokens - since
+                self.trained(learner, c_tokens - since)
         self._guard(super().answered, learner, fragment, key, c_tokens)
         return 0
 
-    def rebased(self, learner: int, fragment: int) -> None:
+    def rebased(self, learner: int, fragment: int, version: int | None = None) -> None:
         self._guard(super().rebased, learner, fragment)
+        if version is not None:
+            key = (learner, fragment)
+            self.floor[key] = max(self.floor.get(key, 0), version)
 
-    def crashed(self, learner: int, reason: str = "crash") -> None:
+    def crashed(self, learner: int, reason: str = CRASH) -> None:
         self._guard(super().crashed, learner, reason)
+        self.lives.pop(learner, None)
+        self.last_step.pop(learner, None)
+        for p in range(self.num_fragments):
+            self.floor.pop((learner, p), None)
+        self._early.pop(learner, None)
+        for restored in (self.spans_restart, self.unconfirmed, self.gap_check):
+            restored.discard(learner)
+
+    def absent(self) -> list[int]:
+        """Lives restored from a snapshot that never said hello to this syncer life."""
+        return sorted(self.unconfirmed)
+
+    # -- the syncer side --------------------------------------------------------------------
+    def hold_merges(self) -> None:
+        """Keep merges back until :meth:`release_merges`: a snapshot taken with a fragment's
+        merge must not count the merges of later rounds, not yet durable."""
+        self._held = []
+
+    def release_merges(self, keys: set[object] | None = None) -> None:
+        """Count the held merges of ``keys``, still holding the others; None: count all of
+        them and stop holding."""
+        held, kept = self._held or [], []
+        for key, weight in held:
+            if keys is None or key in keys:
+                self._guard(super().merged_answer, key, weight)
+            else:
+                kept.append((key, weight))
+        self._held = None if keys is None else kept
 
     def merged_answer(self, key: object, weight: float) -> None:
+        if self._held is not None:
+            self._held.append((key, weight))
+            return
         self._guard(super().merged_answer, key, weight)
 
     def wasted_answer(self, key: object, reason: str) -> None:
@@ -121,3 +239,33 @@ class TolerantLedger(TokenLedger):
 
     def superseded(self, old: object, new: object) -> None:
         self._guard(super().superseded, old, new)
+
+    # -- the durable state ------------------------------------------------------------------
+    def to_state(self) -> dict[str, Any]:
+        state = super().to_state()
+        state["tolerant"] = {
+            "errors": self.errors,
+            "lives": [[m, inc] for m, inc in sorted(self.lives.items())],
+            "floor": [[m, p, v] for (m, p), v in sorted(self.floor.items())],
+            "last_step": [[m, s, t] for m, (s, t) in sorted(self.last_step.items())],
+            "restart": dict(self.restart),
+        }
+        return state
+
+    def load_state(self, state: Mapping[str, Any]) -> None:
+        """Load a snapshot as a restarted syncer: every life in it spans a restart."""
+        super().load_state(state)
+        extra = state.get("tolerant", {})
+        try:
+            self.errors = int(extra.get("errors", 0))
+            self.lives = {int(m): int(inc) for m, inc in extra.get("lives", [])}
+            self.floor = {(int(m), int(p)): int(v) for m, p, v in extra.get("floor", [])}
+            self.last_step = {int(m): (int(s), int(t)) for m, s, t in extra.get("last_step", [])}
+            self.restart.update({str(k): int(v) for k, v in extra.get("restart", {}).items()})
+        except (TypeError, ValueError) as exc:
+            raise ConfigError("ledger.tolerant", type(exc).__name__, str(exc)) from None
+        self.spans_restart = set(self.lives)
+        self.unconfirmed = set(self.lives)
+        self.gap_check = set(self.lives)
+        self.restored_open = {tuple(a[0]) if isinstance(a[0], list) else a[0]
+                              for a in state["answers"]}  # fmt: skip

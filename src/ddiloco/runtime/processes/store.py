@@ -10,6 +10,12 @@ always either the old or the new version, never a torn mix. An optional append-o
 keeps every merge's inputs (answer metadata and payloads) so a test or an audit can recompute
 the merged state from Theta_0; a torn journal tail is cut off on load.
 
+The token ledger is durable too (docs/decisions.md 33): its plain-data snapshot rides in the
+header of every fragment file, so a merge and the ledger that counts it are written by one
+rename, and ``ledger.bin`` takes a fresher snapshot between merges. Every snapshot carries a
+sequence number; the highest one on disk is the ledger a restarted syncer loads, and it
+counts exactly the merges that are durable (each merge is written before any later one).
+
 Format (never pickle): b"DDSF" | u32 header length | msgpack header | codec bundle of the
 fragment's tensors then the outer state's tensors | u32 crc32 of everything before it.
 """
@@ -63,6 +69,7 @@ class FragmentRecord:
     outer: dict[str, Any]  # the outer optimizer's state_dict: ints, None, lists of tensors
     applied: list[Key]  # answer keys merged into this fragment
     merged_base: dict[tuple[int, int], int]  # (learner, incarnation) -> highest merged base
+    ledger: dict[str, Any] | None = None  # the token ledger's plain state, with this merge
 
 
 def write_atomic(path: Path, data: bytes | bytearray) -> None:
@@ -138,7 +145,10 @@ class SyncerStore:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.journal_enabled = journal
         self.journal_path = self.dir / "journal.bin"
+        self.ledger_path = self.dir / "ledger.bin"
         self.writes = 0
+        self.seq = 0  # of the latest ledger snapshot written or loaded
+        self.ledger_state: dict[str, Any] | None = None  # the latest one on disk, after load()
 
     def fragment_path(self, p: int) -> Path:
         return self.dir / f"fragment-{p:04d}.bin"
@@ -157,9 +167,17 @@ class SyncerStore:
             "applied": [list(k) for k in record.applied],
             "merged_base": [[lrn, inc, b] for (lrn, inc), b in sorted(record.merged_base.items())],
         }
+        if record.ledger is not None:
+            self.seq += 1
+            header["ledger"] = {"seq": self.seq, "state": record.ledger}
         tensors = [t.detach().float() for t in record.values] + outer_tensors
         write_atomic(self.fragment_path(record.fragment), _pack(header, tensors))
         self.writes += 1
+
+    def save_ledger(self, state: dict[str, Any]) -> None:
+        """A ledger snapshot between merges (every merge it counts is already durable)."""
+        self.seq += 1
+        write_atomic(self.ledger_path, _pack({"ledger": {"seq": self.seq, "state": state}}, []))
 
     def append_journal(self, header: dict[str, Any], payloads: list[bytes]) -> None:
         """One merge's inputs: a length-prefixed, checksummed record, fsynced."""
@@ -178,8 +196,14 @@ class SyncerStore:
         for tmp in self.dir.glob(".*.tmp"):
             tmp.unlink()
         records: dict[int, FragmentRecord] = {}
+        latest: dict[str, Any] = {"seq": 0, "state": None}
+        if self.ledger_path.exists():
+            latest = _unpack(self.ledger_path.read_bytes(), str(self.ledger_path))[0]["ledger"]
         for path in sorted(self.dir.glob("fragment-*.bin")):
             header, tensors = _unpack(path.read_bytes(), str(path))
+            snapshot = header.get("ledger")
+            if snapshot is not None and snapshot["seq"] > latest["seq"]:
+                latest = snapshot
             count = header["count"]
             records[header["fragment"]] = FragmentRecord(
                 fragment=header["fragment"],
@@ -191,7 +215,9 @@ class SyncerStore:
                 outer=_join_outer(header["outer"], tensors[count:]),
                 applied=[(a[0], a[1], a[2]) for a in header["applied"]],
                 merged_base={(a[0], a[1]): a[2] for a in header["merged_base"]},
+                ledger=None if snapshot is None else snapshot["state"],
             )
+        self.seq, self.ledger_state = latest["seq"], latest["state"]
         if self.journal_path.exists():
             self._trim_journal({p: r.version for p, r in records.items()})
         return records
@@ -241,9 +267,16 @@ class SyncerStore:
 
 
 # -- the bridge between SyncerState and its durable record -----------------------------------
-def record_of(syncer: SyncerState, p: int, tokens: int, applied: list[Key]) -> FragmentRecord:
+def record_of(
+    syncer: SyncerState,
+    p: int,
+    tokens: int,
+    applied: list[Key],
+    ledger: dict[str, Any] | None = None,
+) -> FragmentRecord:
     """Fragment ``p``'s durable record, right after a merge. ``applied`` is every answer key
-    merged into it so far (the service keeps that list: the core forgets merged ids)."""
+    merged into it so far (the service keeps that list: the core forgets merged ids);
+    ``ledger`` the ledger's state counting this merge and no later one."""
     policy = syncer.policy
     return FragmentRecord(
         fragment=p,
@@ -255,6 +288,7 @@ def record_of(syncer: SyncerState, p: int, tokens: int, applied: list[Key]) -> F
         outer=syncer.outer[p].state_dict(),
         applied=applied,
         merged_base={(lrn, inc): b for (lrn, inc, q), b in policy.merged_base.items() if q == p},
+        ledger=ledger,
     )
 
 

@@ -33,6 +33,7 @@ from ddiloco.core.syncer_state import MergeResult, SyncerState
 from ddiloco.errors import ConfigError
 from ddiloco.runtime.processes.common import Events, Socket, configure, new_session
 from ddiloco.runtime.processes.setup import RunSetup, TolerantLedger, eval_loss
+from ddiloco.runtime.processes.shm import writer_for
 from ddiloco.runtime.processes.store import SyncerStore, journal_header, record_of, restore
 from ddiloco.runtime.processes.wire import Limits, Wire, WireError, decode_update
 
@@ -83,11 +84,18 @@ class SyncerService:
             step, self.tokens = restore(self.syncer, records)
             for p, rec in records.items():
                 self.applied[p] = list(rec.applied)
+        if self.store.ledger_state is not None:  # the snapshot counting the durable merges
+            self.ledger.load_state(self.store.ledger_state)
+            self.tokens = max(self.tokens, self.ledger.trained_tokens)
+        if records:
             events("restored", versions=list(self.syncer.versions), global_step=step,
                    tokens=self.tokens)  # fmt: skip
         self.payloads: dict[tuple[int, int, int], bytes] = {}  # journal inputs, until merged
         self.limits = Limits(max_payload=max(64 << 20, 4 * self.plan.total_bytes))
-        self.wire = Wire(run_id, secret, "S", new_session(), self.limits)
+        session = new_session()
+        shm = writer_for(run_id, "S", session, bind.rpartition(":")[0],
+                         self.config.processes.shared_memory)  # fmt: skip
+        self.wire = Wire(run_id, secret, "S", session, self.limits, shm=shm)
         self.ctx: zmq.Context[Socket] = zmq.Context()
         self.sock = self.ctx.socket(zmq.ROUTER)
         configure(self.sock, self.limits)
@@ -134,6 +142,7 @@ class SyncerService:
             if now - self.last_beat >= BEAT_SECONDS:
                 self.last_beat = now
                 self.check_liveness(now)
+                self.store.save_ledger(self.ledger.to_state())  # narrows what a crash loses
                 for m in list(self.lives):
                     self.send(m, "beat", meta={"live": m in self.syncer.policy.progress})
             if self.tokens >= self.next_eval:
@@ -170,9 +179,7 @@ class SyncerService:
     def on_hello(self, m: int, meta: dict[str, Any], _: memoryview) -> None:
         inc, step, versions = int(meta["inc"]), int(meta["step"]), list(meta["versions"])
         now = self.events.now()
-        old = self.lives.get(m)
-        if old is not None and old != inc:
-            self.ledger.crashed(m, CRASH)  # a new life: whatever the old one held is lost
+        self.ledger.joined(m, inc, step, versions)  # a new life: what the old one held is lost
         self.account_uptime(now)
         if m in self.down_since:
             self.down_seconds += now - self.down_since.pop(m)
@@ -197,11 +204,9 @@ class SyncerService:
         if m not in self.syncer.policy.progress or self.lives.get(m) != meta["inc"]:
             self.send(m, "rehello")
             return
-        for p in meta.get("rebased", []):
-            self.ledger.rebased(m, int(p))
-        tokens = int(meta["tokens"])
-        self.ledger.trained(m, tokens)
-        self.tokens += tokens
+        rebased = [int(p) for p in meta.get("rebased", [])]
+        self.tokens += self.ledger.reported(m, int(meta["step"]), int(meta["tokens"]), rebased,
+                                            self.syncer.versions)  # fmt: skip
         now = self.events.now()
         for rnd in self.syncer.on_progress(m, int(meta["step"]), now, float(meta["secs"])):
             for a in sorted(rnd.asked):
@@ -226,7 +231,10 @@ class SyncerService:
             self.verdict(m, answer, "refused_" + exc.reason)
             return
         if answer.key not in self.syncer.policy.seen:  # a re-push is not new work
-            self.ledger.answered(m, answer.fragment, answer.key, answer.c_tokens)
+            before = self.ledger.trained_tokens  # (re-reported tokens a restart missed)
+            self.ledger.answered(m, answer.fragment, answer.key, answer.c_tokens,
+                                 answer.base_version)  # fmt: skip
+            self.tokens += self.ledger.trained_tokens - before
         verdict = self.syncer.on_answer(answer, delta, self.events.now())
         if verdict in (Verdict.ACCEPTED, Verdict.WAITING):
             if self.store.journal_enabled:
@@ -249,7 +257,14 @@ class SyncerService:
     # -- merging ----------------------------------------------------------------------------
     def poll(self) -> None:
         started = time.monotonic()
-        for result in self.syncer.poll(self.events.now()):
+        self.ledger.hold_merges()  # each merge is counted when (and as) it is made durable
+        try:
+            results = self.syncer.poll(self.events.now())
+        except BaseException:
+            self.ledger.release_merges()
+            raise
+        for result in results:
+            self.ledger.release_merges({a.key for a in result.round.answers})
             self.persist(result)
             live = sorted(self.syncer.policy.progress)
             keys = [list(a.key) for a in result.round.answers]
@@ -262,6 +277,7 @@ class SyncerService:
                         answers=len(rnd.answers), asked=rnd.asked,
                         weights={str(k): v for k, v in sorted(result.weights.items())},
                         update_norm=result.update_norm, broadcast_bytes=nbytes)  # fmt: skip
+        self.ledger.release_merges()  # (none is left: every merge was persisted)
         if self.payloads:
             for key in [k for k in self.payloads if k not in self.syncer.updates]:
                 del self.payloads[key]  # superseded or dropped: never merged
@@ -275,7 +291,8 @@ class SyncerService:
         if self.store.journal_enabled:
             self.store.append_journal(journal_header(result),
                                       [self.payloads.pop(a.key, b"") for a in answers])  # fmt: skip
-        self.store.save(record_of(self.syncer, p, self.tokens, self.applied[p]))
+        self.store.save(record_of(self.syncer, p, self.tokens, self.applied[p],
+                                  self.ledger.to_state()))  # fmt: skip
 
     def send_fragment(
         self, to: list[int], p: int, version: int, tensors: list[torch.Tensor], keys: list[Any]
@@ -325,8 +342,8 @@ class SyncerService:
         for m in list(self.lives):
             self.send(m, "stop")
         final = self.evaluate()
-        for m in self.down_since:  # given up and never back: what it held died with it
-            self.ledger.crashed(m, CRASH)
+        for m in [*self.down_since, *self.ledger.absent()]:  # given up, or never back after
+            self.ledger.crashed(m, CRASH)  # a syncer restart: what it held died with it
         self.ledger.close()
         ledger = self.ledger.summary()
         down = self.down_seconds + sum(now - s for s in self.down_since.values())
@@ -342,6 +359,7 @@ class SyncerService:
             "tokens_wasted": wasted,
             "ledger_balanced": ledger["balanced"] and not self.ledger.errors,
             "ledger_errors": self.ledger.errors,
+            "ledger_restart": dict(self.ledger.restart),
             "goodput": (self.tokens - lost) / max(self.tokens + lost_capacity, 1.0),
             "uptime": self.up_seconds / max(now - (self.first_join or 0.0), 1e-9),
             "bytes_sent": self.bytes_sent,
@@ -360,4 +378,5 @@ class SyncerService:
                 self.send(m, "stop")
         self.sock.close(0)
         self.ctx.term()
+        self.wire.close()
         return summary

@@ -4,19 +4,25 @@ Owns how one message between the syncer and learners (or between two learners, f
 recovery) becomes bytes and back. Never pickle: a frame is three parts, sent as one zmq
 multipart message so the payload is never copied into a larger buffer::
 
-    head     magic 4s b"DDWF" | version u8 | flags u8 (0) | reserved u16 (0)
+    head     magic 4s b"DDWF" | version u8 | flags u8 | reserved u16 (0)
              | header_len u32 | payload_len u64 | msgpack header (header_len bytes)
-    payload  raw bytes (tensor bundles in the codec's format, or snapshot chunks)
-    trailer  crc32 u32 over head + payload | HMAC-SHA256 (32 bytes) over head + payload + crc
+    payload  raw bytes (tensor bundles in the codec's format, or snapshot chunks), or with
+             flag SHM a reference to a same-host shared-memory slot holding them (shm.py)
+    trailer  digest (32 bytes) = BLAKE3(head | BLAKE3(payload))
+             | tag (32 bytes) = HMAC-SHA256(run secret, digest)
 
-The header binds the run id, the sender and its session (a fresh number per process life),
-the kind, learner, fragment, round and a per-session sequence number, so the HMAC under the
-run secret authenticates all of them together with the payload. :meth:`Wire.decode` checks
-the sizes against :class:`Limits` before anything is allocated, then the HMAC (and, only when
-it fails, the checksum, to tell a corrupted frame from a forged one: one hash pass on the
-hot path instead of two), the header's types, the run id, and
-the sender's replay window (a duplicated or replayed frame). Every refusal raises
-:class:`WireError`, which names the field and carries a short ``reason`` for the counters.
+The digest is the checksum over header and payload; the HMAC-SHA256 tag over it
+authenticates both (hash-then-MAC, as TLS signs a handshake hash): BLAKE3 runs at more than
+twice SHA-256's speed per core and in parallel over large payloads, so the per-byte cost of
+authentication halves (docs/decisions.md, "wire digest"). A payload sent to several
+receivers (a broadcast) is hashed once. The header binds the run id, the sender and its
+session (a fresh number per process life), the kind, learner, fragment, round and a
+per-session sequence number, so the tag authenticates all of them together with the payload.
+:meth:`Wire.decode` checks the sizes against :class:`Limits` before anything is allocated,
+then the digest (a mismatch: corrupted on the way), the tag (a mismatch: not signed with this
+run's secret), the header's types, the run id, and the sender's replay window (a duplicated
+or replayed frame). Every refusal raises :class:`WireError`, which names the field and
+carries a short ``reason`` for the counters.
 It knows nothing of sockets, rounds or training.
 """
 
@@ -24,9 +30,9 @@ from __future__ import annotations
 
 import hmac
 import logging
+import os
 import struct
 import threading
-import zlib
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -34,16 +40,22 @@ from typing import Any
 
 import msgpack
 import torch
+from blake3 import blake3
 
 from ddiloco.core.codec import decode_tensors
 from ddiloco.errors import CodecError, DDiLoCoError
+from ddiloco.runtime.processes.shm import ShmExpired, ShmReader, ShmWriter
 
 log = logging.getLogger(__name__)
 
 MAGIC = b"DDWF"
-VERSION = 1
+VERSION = 2
+FLAG_SHM = 1  # the payload part is a reference to a shared-memory slot (shm.py)
 PREFIX = struct.Struct("<4sBBHIQ")  # magic, version, flags, reserved, header_len, payload_len
-TRAILER = struct.Struct("<I32s")  # crc32, hmac-sha256
+TRAILER = struct.Struct("<32s32s")  # BLAKE3 digest of head + payload, HMAC-SHA256 of it
+MAX_REF = 256  # bytes of a shared-memory reference
+PARALLEL_HASH_BYTES = 4 << 20  # payloads this large are hashed on several threads, where
+PARALLEL_HASH_CPUS = 8  # there are this many cores (on fewer, the other end needs them)
 SECRET_MIN_BYTES = 16
 REPLAY_WINDOW = 4096  # sequence numbers remembered per sender session
 
@@ -136,7 +148,11 @@ class ReplayWindow:
 
 
 class Wire:
-    """Encodes this process's frames and decodes its peers', under one run id and secret."""
+    """Encodes this process's frames and decodes its peers', under one run id and secret.
+
+    With ``shm`` (a :class:`ShmWriter`, for receivers on this host) large payloads travel
+    through shared memory; any Wire reads such frames from this host's run directory.
+    """
 
     def __init__(
         self,
@@ -145,6 +161,7 @@ class Wire:
         sender: str,
         session: int,
         limits: Limits | None = None,
+        shm: ShmWriter | None = None,
     ) -> None:
         if len(secret) < SECRET_MIN_BYTES:
             raise WireError("secret", f"{len(secret)} bytes", f"need >= {SECRET_MIN_BYTES}", "key")
@@ -155,8 +172,11 @@ class Wire:
         self.limits = limits or Limits()
         self.window = ReplayWindow()
         self.refused: Counter[str] = Counter()
+        self.shm = shm
+        self.shm_reader = ShmReader(run)
         self._seq = 0
         self._lock = threading.Lock()
+        self._last: tuple[bytes, bytes] | None = None  # (payload, digest): one broadcast
 
     # -- sending ----------------------------------------------------------------------------
     def encode(
@@ -174,6 +194,14 @@ class Wire:
         with self._lock:
             seq = self._seq
             self._seq += 1
+            last = self._last
+            if isinstance(payload, bytes) and last is not None and last[0] is payload:
+                digest = last[1]  # the same immutable payload again: hashed once
+            else:
+                digest = _digest(body)
+                if isinstance(payload, bytes):
+                    self._last = (payload, digest)
+            ref = self.shm.put(f"{kind}-{fragment}", body, digest, seq) if self.shm else None
         header = msgpack.packb(
             {
                 "run": self.run,
@@ -188,12 +216,17 @@ class Wire:
             },
             use_bin_type=True,
         )
-        head = PREFIX.pack(MAGIC, VERSION, 0, 0, len(header), body.nbytes) + header
-        crc = zlib.crc32(body, zlib.crc32(head))
-        mac = hmac.new(self._secret, head, "sha256")
-        mac.update(body)
-        mac.update(struct.pack("<I", crc))
-        return [head, body, TRAILER.pack(crc, mac.digest())]
+        flags = 0 if ref is None else FLAG_SHM
+        head = PREFIX.pack(MAGIC, VERSION, flags, 0, len(header), body.nbytes) + header
+        check = blake3(head + digest).digest()
+        tag = hmac.digest(self._secret, check, "sha256")
+        return [head, body if ref is None else ref, TRAILER.pack(check, tag)]
+
+    def close(self) -> None:
+        """Release shared-memory slots (this sender's) and maps (of others)."""
+        if self.shm is not None:
+            self.shm.close()
+        self.shm_reader.close()
 
     # -- receiving --------------------------------------------------------------------------
     def decode(self, parts: Sequence[Part], *, replay: bool = True) -> Message:
@@ -206,7 +239,8 @@ class Wire:
             return self._decode(parts, replay)
         except WireError as exc:
             self.refused[exc.reason] += 1
-            log.warning("wire: refused frame: %s (%s)", exc, exc.reason)
+            level = logging.INFO if exc.reason == "expired" else logging.WARNING
+            log.log(level, "wire: refused frame: %s (%s)", exc, exc.reason)
             raise
 
     def _decode(self, parts: Sequence[Part], replay: bool) -> Message:
@@ -216,23 +250,26 @@ class Wire:
         if len(views) != 3:
             raise WireError("parts", len(views), "a frame has 3 parts", "truncated")
         head, body, trailer = views
-        header_len, payload_len = _prefix(head, self.limits)
+        flags, header_len, payload_len = _prefix(head, self.limits)
         if len(head) != PREFIX.size + header_len:
             raise WireError("header_len", header_len, f"head is {len(head)} bytes", "truncated")
-        if body.nbytes != payload_len:
-            raise WireError("payload_len", payload_len, f"got {body.nbytes} bytes", "truncated")
         if len(trailer) != TRAILER.size:
             raise WireError("trailer", len(trailer), f"need {TRAILER.size} bytes", "truncated")
-        crc, tag = TRAILER.unpack(trailer)
-        mac = hmac.new(self._secret, head, "sha256")
-        mac.update(body)
-        mac.update(struct.pack("<I", crc))
-        if not hmac.compare_digest(mac.digest(), tag):
-            # the HMAC covers the checksum too, so the crc is only needed to tell a frame
-            # damaged on the way (corrupted) from one never signed with this secret (forged)
-            if zlib.crc32(body, zlib.crc32(head)) != crc:
-                raise WireError("checksum", crc, "crc32 over header and payload differs",
-                                "checksum")  # fmt: skip
+        if flags & FLAG_SHM:
+            if body.nbytes > MAX_REF:
+                raise WireError("shm", body.nbytes, f"a reference is <= {MAX_REF} bytes", "shm")
+            try:
+                body = memoryview(self.shm_reader.get(body, payload_len))
+            except ShmExpired as exc:
+                raise WireError("shm", "slot", str(exc), "expired") from None
+        if body.nbytes != payload_len:
+            raise WireError("payload_len", payload_len, f"got {body.nbytes} bytes", "truncated")
+        check, tag = TRAILER.unpack(trailer)
+        expected = blake3(bytes(head) + _digest(body)).digest()
+        if not hmac.compare_digest(expected, check):
+            raise WireError("digest", check.hex()[:16], "BLAKE3 digest over header and payload "
+                            "differs: damaged on the way", "checksum")  # fmt: skip
+        if not hmac.compare_digest(hmac.digest(self._secret, check, "sha256"), tag):
             raise WireError("hmac", tag.hex()[:16], "not signed with this run's secret", "auth")
         header = _header(head[PREFIX.size :], self.limits)
         if header.run != self.run:
@@ -242,17 +279,23 @@ class Wire:
         return Message(header, body)
 
 
+def _digest(body: memoryview) -> bytes:
+    parallel = body.nbytes >= PARALLEL_HASH_BYTES and (os.cpu_count() or 1) >= PARALLEL_HASH_CPUS
+    threads = blake3.AUTO if parallel else 1
+    return blake3(body, max_threads=threads).digest()
+
+
 def _split(blob: memoryview, limits: Limits) -> list[memoryview]:
     """Cut one joined frame (as a fault-injecting proxy or a test sees it) into its parts."""
-    header_len, payload_len = _prefix(blob, limits)
+    _, header_len, _ = _prefix(blob, limits)
     head_end = PREFIX.size + header_len
-    body_end = head_end + payload_len
-    if len(blob) != body_end + TRAILER.size:
-        raise WireError("length", len(blob), f"frame is {body_end + TRAILER.size}", "truncated")
-    return [blob[:head_end], blob[head_end:body_end], blob[body_end:]]
+    if len(blob) < head_end + TRAILER.size:
+        raise WireError("length", len(blob), f"shorter than head + {TRAILER.size}", "truncated")
+    return [blob[:head_end], blob[head_end : len(blob) - TRAILER.size],
+            blob[len(blob) - TRAILER.size :]]  # fmt: skip
 
 
-def _prefix(head: memoryview, limits: Limits) -> tuple[int, int]:
+def _prefix(head: memoryview, limits: Limits) -> tuple[int, int, int]:
     if len(head) < PREFIX.size:
         raise WireError("length", len(head), f"shorter than the {PREFIX.size}-byte prefix",
                         "truncated")  # fmt: skip
@@ -261,13 +304,13 @@ def _prefix(head: memoryview, limits: Limits) -> tuple[int, int]:
         raise WireError("magic", bytes(magic), f"expected {MAGIC!r}", "magic")
     if version != VERSION:
         raise WireError("version", version, f"only version {VERSION} is known", "version")
-    if flags or reserved:
-        raise WireError("flags", (flags, reserved), "must be zero", "header")
+    if flags & ~FLAG_SHM or reserved:
+        raise WireError("flags", (flags, reserved), f"unknown flags (known: {FLAG_SHM})", "header")
     if header_len > limits.max_header:
         raise WireError("header_len", header_len, f"limit {limits.max_header}", "oversized")
     if payload_len > limits.max_payload:
         raise WireError("payload_len", payload_len, f"limit {limits.max_payload}", "oversized")
-    return header_len, payload_len
+    return flags, header_len, payload_len
 
 
 _FIELDS: dict[str, tuple[str, type]] = {

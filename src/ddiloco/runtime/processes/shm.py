@@ -1,0 +1,209 @@
+"""Same-host fast path: frame payloads through shared memory instead of the socket.
+
+When a syncer and its learners share a host (``ddiloco train --runtime processes``, or any
+loopback address) a fragment need not cross the loopback socket twice (a kernel copy on each
+side). The sender writes the payload once into a file of its own under the run's directory in
+``/dev/shm`` and sends, in the frame's payload part, a small reference to it; the receiver
+copies the bytes out and the wire checks them against the frame's digest exactly as it checks
+an inline payload. So shared memory changes where the bytes travel, not what is trusted: a
+slot rewritten, truncated or deleted under a slow reader is refused ("expired"), never applied.
+
+Slots are files named ``<sender>-<key>-<0|1>``: two per key (kind and fragment), used in
+turn, so the previous message for a key stays readable while the next is written, and a
+restarted process overwrites its former life's files instead of leaking new ones. A slot
+starts with a 24-byte stamp (session, sequence, length) written last, checked before and after
+the reader's copy (a seqlock). The launcher removes the run's directory at the end.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import re
+import shutil
+import stat
+import struct
+from hashlib import sha256
+from pathlib import Path
+
+SHM_ROOT = Path("/dev/shm")
+MIN_BYTES = 64 * 1024  # smaller payloads go inline: a syscall costs more than their copy
+STAMP = struct.Struct("<QQQ")  # session, sequence (0 while writing), payload length
+REF = struct.Struct("<QQ")  # session, sequence; followed by the slot's file name
+_NAME = re.compile(rb"^[A-Za-z0-9_.-]{1,120}$")
+
+
+class ShmExpired(Exception):
+    """The referenced slot no longer holds that payload (rewritten, deleted, damaged)."""
+
+
+def run_directory(run: str, root: Path = SHM_ROOT) -> Path | None:
+    """This user's directory for ``run`` under ``root``; None where there is no tmpfs."""
+    if not root.is_dir():
+        return None
+    digest = sha256(run.encode()).hexdigest()[:16]
+    return root / f"ddiloco-{os.getuid()}-{digest}"
+
+
+def remove_run_directory(run: str, root: Path = SHM_ROOT) -> None:
+    """Delete the run's slots (the launcher, at the end of a run)."""
+    path = run_directory(run, root)
+    if path is not None:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _own_directory(path: Path, create: bool) -> bool:
+    """Whether ``path`` is a directory only this user can touch (made so if ``create``)."""
+    if create:
+        path.mkdir(mode=0o700, exist_ok=True)
+    try:
+        info = path.lstat()
+    except FileNotFoundError:
+        return False
+    return (
+        stat.S_ISDIR(info.st_mode)
+        and info.st_uid == os.getuid()
+        and not info.st_mode & (stat.S_IRWXG | stat.S_IRWXO)
+    )
+
+
+class _Slot:
+    def __init__(self, path: Path) -> None:
+        self.fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        self.map: mmap.mmap | None = None
+        self.digest = b""
+        self.ref = b""
+
+    def reserve(self, size: int) -> mmap.mmap:
+        if self.map is None or len(self.map) < size:
+            if self.map is not None:
+                self.map.close()
+                self.map = None
+            size = max(size, os.fstat(self.fd).st_size)  # never shrink: a reader's map of
+            os.ftruncate(self.fd, size)  # the old length would fault (SIGBUS) past the end
+            os.posix_fallocate(self.fd, 0, size)  # a full /dev/shm: ENOSPC here, not SIGBUS
+            self.map = mmap.mmap(self.fd, size)
+        return self.map
+
+
+class ShmWriter:
+    """One sender's slots. ``put`` returns the reference to send, or None (send inline)."""
+
+    def __init__(self, run: str, sender: str, session: int, max_bytes: int = 2 << 30,
+                 root: Path = SHM_ROOT) -> None:  # fmt: skip
+        path = run_directory(run, root)
+        if path is None or not _own_directory(path, create=True):
+            raise OSError(f"no private shared-memory directory for run {run!r} under {root}")
+        if not _NAME.match(sender.encode()):
+            raise ValueError(f"sender name {sender!r} is not a safe file name")
+        self.dir = path
+        self.sender = sender
+        self.session = session
+        self.max_bytes = max_bytes
+        self._slots: dict[str, _Slot] = {}
+        self._turn: dict[str, int] = {}
+
+    def put(self, key: str, payload: memoryview, digest: bytes, seq: int) -> bytes | None:
+        """Write ``payload`` (whose digest the frame carries) into the key's next slot."""
+        n = payload.nbytes
+        if n < MIN_BYTES:
+            return None
+        for turn in (0, 1):  # the same payload sent again (a broadcast): no second copy
+            slot = self._slots.get(f"{key}-{turn}")
+            if slot is not None and slot.digest == digest:
+                return slot.ref
+        turn = 1 - self._turn.get(key, 1)
+        name = f"{key}-{turn}"
+        slot = self._slots.get(name)
+        held = sum(len(s.map) for s in self._slots.values() if s.map is not None)
+        if held - (len(slot.map) if slot and slot.map else 0) + STAMP.size + n > self.max_bytes:
+            return None
+        try:
+            if slot is None:
+                slot = self._slots[name] = _Slot(self.dir / f"{self.sender}-{name}")
+            area = slot.reserve(STAMP.size + n)
+        except OSError:  # no room in /dev/shm (or the directory went away): send inline
+            return None
+        STAMP.pack_into(area, 0, self.session, 0, n)  # readers now see "being written"
+        area[STAMP.size : STAMP.size + n] = payload
+        STAMP.pack_into(area, 0, self.session, seq + 1, n)
+        self._turn[key] = turn
+        slot.digest = digest
+        slot.ref = REF.pack(self.session, seq + 1) + f"{self.sender}-{name}".encode()
+        return slot.ref
+
+    def close(self) -> None:
+        """Unmap and delete this sender's slots."""
+        for name, slot in self._slots.items():
+            if slot.map is not None:
+                slot.map.close()
+            os.close(slot.fd)
+            (self.dir / f"{self.sender}-{name}").unlink(missing_ok=True)
+        self._slots.clear()
+
+
+class ShmReader:
+    """Copies payloads out of other processes' slots (keeps their files mapped)."""
+
+    def __init__(self, run: str, root: Path = SHM_ROOT) -> None:
+        self.dir = run_directory(run, root)
+        self._maps: dict[bytes, tuple[int, mmap.mmap]] = {}  # name -> (inode, map)
+
+    def get(self, ref: memoryview, length: int) -> bytearray:
+        """The referenced payload of ``length`` bytes, copied; raises :class:`ShmExpired`."""
+        if len(ref) <= REF.size or not _NAME.match(bytes(ref[REF.size :])):
+            raise ShmExpired("malformed shared-memory reference")
+        want = (*REF.unpack_from(ref, 0), length)
+        name = bytes(ref[REF.size :])
+        cached = self._maps.get(name)  # a slot already mapped: no system call on the way
+        if cached is not None and len(cached[1]) >= STAMP.size + length:
+            area = cached[1]
+        if cached is None or len(area) < STAMP.size + length or STAMP.unpack_from(area, 0) != want:
+            area = self._open(name, STAMP.size + length)  # first use, grown, or replaced
+            if STAMP.unpack_from(area, 0) != want:
+                raise ShmExpired(f"slot {name.decode()} was rewritten")
+        with memoryview(area) as view:  # one copy (slicing the mmap itself would make two)
+            data = bytearray(view[STAMP.size : STAMP.size + length])
+        if STAMP.unpack_from(area, 0) != want:
+            raise ShmExpired(f"slot {name.decode()} was rewritten while being read")
+        return data
+
+    def _open(self, name: bytes, size: int) -> mmap.mmap:
+        if self.dir is None or not _own_directory(self.dir, create=False):
+            raise ShmExpired("this host has no private shared-memory directory for the run")
+        try:
+            fd = os.open(self.dir / name.decode(), os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError as exc:
+            raise ShmExpired(f"slot {name.decode()}: {exc.strerror}") from None
+        try:
+            info = os.fstat(fd)
+            if not stat.S_ISREG(info.st_mode) or info.st_size < size:
+                raise ShmExpired(f"slot {name.decode()} holds {info.st_size} bytes, need {size}")
+            old = self._maps.pop(name, None)
+            if old is not None:
+                old[1].close()
+            area = mmap.mmap(fd, info.st_size, prot=mmap.PROT_READ)
+            self._maps[name] = (info.st_ino, area)
+            return area
+        finally:
+            os.close(fd)
+
+    def close(self) -> None:
+        for _, area in self._maps.values():
+            area.close()
+        self._maps.clear()
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` names this machine's loopback interface (so peers share /dev/shm)."""
+    return host in ("localhost", "::1") or host.startswith("127.")
+
+
+def writer_for(run: str, sender: str, session: int, host: str, enabled: bool) -> ShmWriter | None:
+    """A writer when shared memory is ``enabled`` and the peers behind ``host`` are local."""
+    if not enabled or not is_loopback(host):
+        return None
+    try:
+        return ShmWriter(run, sender, session)
+    except OSError:
+        return None  # no tmpfs, or a directory someone else owns: inline frames still work
