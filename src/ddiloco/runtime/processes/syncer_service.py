@@ -342,7 +342,7 @@ class SyncerService:
         for m in list(self.lives):
             self.send(m, "stop")
         final = self.evaluate()
-        for m in [*self.down_since, *self.ledger.absent()]:  # given up, or never back after
+        for m in sorted({*self.down_since, *self.ledger.absent()}):  # given up, or not back after
             self.ledger.crashed(m, CRASH)  # a syncer restart: what it held died with it
         self.ledger.close()
         ledger = self.ledger.summary()
