@@ -62,6 +62,8 @@ def test_a_processes_run_writes_the_same_run_directory_as_the_simulated_clock(tm
     assert summary["rounds"] > 0 and summary["tokens_merged"] > 0
     assert summary["ledger_balanced"] and summary["refused"] == {}
     records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").open()]
+    broadcast = sum(r["broadcast_bytes"] for r in records if r["kind"] == "round")
+    assert summary["bytes_sent"] >= broadcast > 0  # payload bytes, wherever they travelled
     evals = [r["loss"] for r in records if r["kind"] == "eval"]
     # the global model learned (not necessarily to the end: at this tiny scale outer Nesterov
     # momentum overshoots now and then, on the simulated clock too)

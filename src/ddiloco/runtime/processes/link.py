@@ -24,7 +24,7 @@ import zmq
 from ddiloco.core.codec import CodecSpec, encode_tensors
 from ddiloco.core.learner_state import Snapshot
 from ddiloco.runtime.processes.common import Backoff, Socket, configure
-from ddiloco.runtime.processes.wire import Wire, WireError, decode_update
+from ddiloco.runtime.processes.wire import Wire, WireError, decode_update, payload_size
 
 log = logging.getLogger(__name__)
 
@@ -171,7 +171,7 @@ class SyncerLink(threading.Thread):
             self.sock.send_multipart(parts, zmq.NOBLOCK, copy=False)
         except zmq.Again:
             return False
-        self.bytes_sent += memoryview(parts[1]).nbytes
+        self.bytes_sent += payload_size(parts)
         return True
 
     def _drain(self) -> None:

@@ -17,6 +17,7 @@ the reader's copy (a seqlock). The launcher removes the run's directory at the e
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import re
@@ -120,6 +121,8 @@ class ShmWriter:
             return None
         try:
             if slot is None:
+                if not _own_directory(self.dir, create=True):  # (another sender's close may
+                    return None  # have removed the empty directory; never trust a foreign one)
                 slot = self._slots[name] = _Slot(self.dir / f"{self.sender}-{name}")
             area = slot.reserve(STAMP.size + n)
         except OSError:  # no room in /dev/shm (or the directory went away): send inline
@@ -140,6 +143,8 @@ class ShmWriter:
             os.close(slot.fd)
             (self.dir / f"{self.sender}-{name}").unlink(missing_ok=True)
         self._slots.clear()
+        with contextlib.suppress(OSError):  # the last sender out removes the directory
+            self.dir.rmdir()
 
 
 class ShmReader:

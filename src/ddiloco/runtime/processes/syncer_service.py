@@ -35,7 +35,7 @@ from ddiloco.runtime.processes.common import Events, Socket, configure, new_sess
 from ddiloco.runtime.processes.setup import RunSetup, TolerantLedger, eval_loss
 from ddiloco.runtime.processes.shm import writer_for
 from ddiloco.runtime.processes.store import SyncerStore, journal_header, record_of, restore
-from ddiloco.runtime.processes.wire import Limits, Wire, WireError, decode_update
+from ddiloco.runtime.processes.wire import Limits, Wire, WireError, decode_update, payload_size
 
 log = logging.getLogger(__name__)
 
@@ -307,7 +307,7 @@ class SyncerService:
         parts = self.wire.encode(kind, learner=m, **kw)
         try:
             self.sock.send_multipart([f"L{m}".encode(), *parts], zmq.NOBLOCK, copy=False)
-            self.bytes_sent += memoryview(parts[1]).nbytes
+            self.bytes_sent += payload_size(parts)
         except (zmq.Again, zmq.ZMQError):  # unreachable or its queue is full (frozen)
             self.counts["send_dropped"] += 1
 

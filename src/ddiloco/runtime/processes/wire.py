@@ -279,6 +279,11 @@ class Wire:
         return Message(header, body)
 
 
+def payload_size(parts: Sequence[Part]) -> int:
+    """The payload bytes a frame from :meth:`Wire.encode` carries (inline or by reference)."""
+    return int(PREFIX.unpack_from(parts[0], 0)[5])
+
+
 def _digest(body: memoryview) -> bytes:
     parallel = body.nbytes >= PARALLEL_HASH_BYTES and (os.cpu_count() or 1) >= PARALLEL_HASH_CPUS
     threads = blake3.AUTO if parallel else 1
