@@ -219,7 +219,9 @@ class SyncerLink(threading.Thread):
     def _handle(self, frames: list[zmq.Frame]) -> None:
         try:
             msg = self.wire.decode([f.buffer for f in frames])
-        except WireError:
+        except WireError as exc:
+            if exc.reason == "shm_missing":  # the syncer sees another /dev/shm than ours
+                self._send("inline")
             return
         h = msg.header
         if h.sender != "S" or h.learner != self.learner:
@@ -257,6 +259,11 @@ class SyncerLink(threading.Thread):
             self._peers.put(h.meta.get("peers", {}))
         elif h.kind == "stop":
             self.stopped.set()
+        elif h.kind == "no_shm" and self.wire.shm is not None:
+            log.warning("learner %d: the syncer cannot read our /dev/shm; sending inline",
+                        self.learner)  # fmt: skip
+            self.wire.shm.close()
+            self.wire.shm = None
 
     def _fragment(self, p: int, meta: dict[str, Any], payload: memoryview) -> None:
         version = int(meta["version"])

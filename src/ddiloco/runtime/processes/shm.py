@@ -27,7 +27,7 @@ import struct
 from hashlib import sha256
 from pathlib import Path
 
-SHM_ROOT = Path("/dev/shm")
+SHM_ROOT = Path(os.environ.get("DDILOCO_SHM_ROOT", "/dev/shm"))  # (tests emulate containers)
 MIN_BYTES = 64 * 1024  # smaller payloads go inline: a syscall costs more than their copy
 STAMP = struct.Struct("<QQQ")  # session, sequence (0 while writing), payload length
 REF = struct.Struct("<QQ")  # session, sequence; followed by the slot's file name
@@ -36,6 +36,11 @@ _NAME = re.compile(rb"^[A-Za-z0-9_.-]{1,120}$")
 
 class ShmExpired(Exception):
     """The referenced slot no longer holds that payload (rewritten, deleted, damaged)."""
+
+
+class ShmMissing(ShmExpired):
+    """The slot is not there at all: most likely the sender sees another /dev/shm (a
+    container reached through a forwarded loopback port), so its frames must go inline."""
 
 
 def run_directory(run: str, root: Path = SHM_ROOT) -> Path | None:
@@ -175,9 +180,11 @@ class ShmReader:
 
     def _open(self, name: bytes, size: int) -> mmap.mmap:
         if self.dir is None or not _own_directory(self.dir, create=False):
-            raise ShmExpired("this host has no private shared-memory directory for the run")
+            raise ShmMissing("no private shared-memory directory for the run here")
         try:
             fd = os.open(self.dir / name.decode(), os.O_RDONLY | os.O_NOFOLLOW)
+        except FileNotFoundError:
+            raise ShmMissing(f"slot {name.decode()} does not exist here") from None
         except OSError as exc:
             raise ShmExpired(f"slot {name.decode()}: {exc.strerror}") from None
         try:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import threading
 import time
 from collections import defaultdict
@@ -112,6 +113,8 @@ class SyncerService:
         self.first_join: float | None = None
         self.bytes_sent = 0
         self.bytes_received = 0
+        self.inline: set[int] = set()  # learners that cannot read our /dev/shm slots
+        self.resent: dict[tuple[int, int], float] = {}  # (learner, fragment) -> when
         self.counts: dict[str, int] = defaultdict(int)
         self.next_eval = self.tokens
         self.last_beat = 0.0
@@ -155,8 +158,11 @@ class SyncerService:
             return
         try:
             msg = self.wire.decode([f.buffer for f in frames[1:]])
-        except WireError:
-            return  # logged and counted by the wire
+        except WireError as exc:  # logged and counted by the wire
+            ident = frames[0].bytes
+            if exc.reason == "shm_missing" and ident[:1] == b"L" and ident[1:].isdigit():
+                self.send(int(ident[1:]), "no_shm")  # it cannot reach us through /dev/shm
+            return
         h = msg.header
         if frames[0].bytes != f"L{h.learner}".encode() or h.sender != f"L{h.learner}":
             self.counts["refused_identity"] += 1
@@ -194,6 +200,12 @@ class SyncerService:
             if version > int(versions[p]):
                 self.send_fragment([m], p, version, self.syncer.fragments[p], [])
         self.events("joined", learner=m, incarnation=inc, step=step)
+
+    def on_inline(self, m: int, meta: dict[str, Any], _: memoryview) -> None:
+        """Learner ``m`` cannot read our shared-memory slots: send it payloads inline."""
+        if m not in self.inline:
+            log.warning("syncer: learner %d sees another /dev/shm; sending it frames inline", m)
+        self.inline.add(m)
 
     def on_peers(self, m: int, meta: dict[str, Any], _: memoryview) -> None:
         live = self.syncer.policy.progress
@@ -241,6 +253,18 @@ class SyncerService:
                 self.payloads[answer.key] = bytes(payload)
         else:
             self.verdict(m, answer, verdict.value)
+            if verdict in (Verdict.BASE_ALREADY_MERGED, Verdict.STALE):
+                self.resend(m, answer.fragment)
+
+    def resend(self, m: int, p: int) -> None:
+        """An answer on an old base: the learner may have missed a broadcast (dropped on the
+        way, or in a slot it could not read), and a learner that never hears of a merge keeps
+        answering on its old base. Send it the fragment again, at most once a second."""
+        now = time.monotonic()
+        if now - self.resent.get((m, p), -math.inf) >= 1.0:
+            self.resent[(m, p)] = now
+            self.counts["resent_fragment"] += 1
+            self.send_fragment([m], p, self.syncer.versions[p], self.syncer.fragments[p], [])
 
     def on_bye(self, m: int, meta: dict[str, Any], _: memoryview) -> None:
         self.account_uptime(self.events.now())
@@ -304,7 +328,7 @@ class SyncerService:
         return len(payload)
 
     def send(self, m: int, kind: str, **kw: Any) -> None:
-        parts = self.wire.encode(kind, learner=m, **kw)
+        parts = self.wire.encode(kind, learner=m, inline=m in self.inline, **kw)
         try:
             self.sock.send_multipart([f"L{m}".encode(), *parts], zmq.NOBLOCK, copy=False)
             self.bytes_sent += payload_size(parts)

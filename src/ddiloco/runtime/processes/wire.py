@@ -44,7 +44,7 @@ from blake3 import blake3
 
 from ddiloco.core.codec import decode_tensors
 from ddiloco.errors import CodecError, DDiLoCoError
-from ddiloco.runtime.processes.shm import ShmExpired, ShmReader, ShmWriter
+from ddiloco.runtime.processes.shm import ShmExpired, ShmMissing, ShmReader, ShmWriter
 
 log = logging.getLogger(__name__)
 
@@ -188,8 +188,10 @@ class Wire:
         round: int = -1,
         meta: dict[str, Any] | None = None,
         payload: Part = b"",
+        inline: bool = False,
     ) -> list[Part]:
-        """One frame as its three parts (head, payload, trailer), with the next sequence."""
+        """One frame as its three parts (head, payload, trailer), with the next sequence;
+        ``inline`` keeps the payload in the frame (a receiver that cannot see our slots)."""
         body = _as_view(payload)
         with self._lock:
             seq = self._seq
@@ -201,7 +203,8 @@ class Wire:
                 digest = _digest(body)
                 if isinstance(payload, bytes):
                     self._last = (payload, digest)
-            ref = self.shm.put(f"{kind}-{fragment}", body, digest, seq) if self.shm else None
+            shm = None if inline else self.shm
+            ref = shm.put(f"{kind}-{fragment}", body, digest, seq) if shm else None
         header = msgpack.packb(
             {
                 "run": self.run,
@@ -239,7 +242,7 @@ class Wire:
             return self._decode(parts, replay)
         except WireError as exc:
             self.refused[exc.reason] += 1
-            level = logging.INFO if exc.reason == "expired" else logging.WARNING
+            level = logging.INFO if exc.reason == "expired" else logging.WARNING  # (a race)
             log.log(level, "wire: refused frame: %s (%s)", exc, exc.reason)
             raise
 
@@ -260,6 +263,8 @@ class Wire:
                 raise WireError("shm", body.nbytes, f"a reference is <= {MAX_REF} bytes", "shm")
             try:
                 body = memoryview(self.shm_reader.get(body, payload_len))
+            except ShmMissing as exc:  # the sender is told to send inline (see the services)
+                raise WireError("shm", "slot", str(exc), "shm_missing") from None
             except ShmExpired as exc:
                 raise WireError("shm", "slot", str(exc), "expired") from None
         if body.nbytes != payload_len:

@@ -1,0 +1,49 @@
+"""Same-host shared memory under real processes: used when it works, given up per learner
+when the two ends do not share one /dev/shm (a container reached through a forwarded
+loopback port), with the run going on inline instead of refusing every large frame."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from ddiloco.config import load_config
+from ddiloco.runtime.processes.launcher import SYNCER, Launcher
+
+BASE = ["model='gpt-tiny'", "methods=['decoupled']", "runtime='processes'", "train.learners=2",
+        "train.batch_size=2", "train.tokens=24000", "train.eval_every=1000000",
+        "sync.fragments=1", "sync.sync_every=8", "data.eval_batches=1",
+        "processes.detect_seconds=3.0", "processes.max_wall_seconds=120"]  # fmt: skip
+
+
+def run(tmp_path: Path, roots: dict[str, Path]) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """A run whose processes see the /dev/shm stand-ins ``roots[name]`` (default: the real)."""
+    records: list[dict[str, Any]] = []
+    launcher = Launcher(load_config(None, BASE), "decoupled", tmp_path, records.append)
+    spawn, env = launcher._spawn, dict(launcher.env)
+
+    def spawn_in(name: str, args: list[str], control: bool = False) -> None:
+        root = roots.get(name.split("-")[0])
+        launcher.env = {**env, "DDILOCO_SHM_ROOT": str(root)} if root else env
+        spawn(name, args, control)
+
+    launcher._spawn = spawn_in  # type: ignore[method-assign]
+    return launcher.run(), records
+
+
+def merged(records: list[dict[str, Any]], m: int) -> int:
+    return sum(1 for r in records if r["kind"] == "round" and r["weights"].get(str(m)))
+
+
+def test_learners_behind_another_dev_shm_are_sent_inline_and_merged(tmp_path):
+    syncer_root, learner_root = tmp_path / "shm-syncer", tmp_path / "shm-learners"
+    syncer_root.mkdir()
+    learner_root.mkdir()
+    summary, records = run(tmp_path / "run", {SYNCER: syncer_root, "learner": learner_root})
+    # the large frames were first written to slots the other side could not see ...
+    missed = summary["refused"].get("shm_missing", 0)
+    missed += summary["refused_by_learners"].get("shm_missing", 0)
+    assert missed >= 1, (summary["refused"], summary["refused_by_learners"])
+    # ... then both sides went inline: every learner is merged, the run ends by its tokens
+    assert summary["tokens"] >= 24000 and merged(records, 0) >= 3 and merged(records, 1) >= 3
+    assert summary["ledger_balanced"]
