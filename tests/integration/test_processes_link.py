@@ -4,7 +4,6 @@ a slow link caps it at the run's per-learner bandwidth / factor."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 from ddiloco.chaos.plan import ChaosEvent
@@ -32,16 +31,13 @@ def config(*overrides: str) -> RunConfig:
     return load_config(None, [*BASE, *overrides])
 
 
-def launch(cfg: RunConfig, out: Path, hook) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    records: list[dict[str, Any]] = []
-    return Launcher(cfg, "decoupled", out, records.append, hooks=[hook]).run(), records
-
-
 def merged_from(record: dict[str, Any], m: int) -> bool:
     return record["kind"] == "round" and bool(record["weights"].get(str(m)))
 
 
-def test_a_cut_link_holds_a_learners_traffic_and_its_answers_are_merged_again_after(tmp_path):
+def test_a_cut_link_holds_a_learners_traffic_and_its_answers_are_merged_again_after(
+    tmp_path, launch
+):
     state: dict[str, Any] = {"rounds": 0, "after": 0}
 
     def hook(launcher: Launcher, r: dict[str, Any]) -> None:
@@ -80,7 +76,9 @@ def test_a_cut_link_holds_a_learners_traffic_and_its_answers_are_merged_again_af
     assert not [r for r in records if r["kind"] == "exited"]  # no process died of it
 
 
-def test_a_slow_link_from_the_plan_gets_a_proxy_starves_the_learner_until_restored(tmp_path):
+def test_a_slow_link_from_the_plan_gets_a_proxy_starves_the_learner_until_restored(
+    tmp_path, launch
+):
     state: dict[str, Any] = {"joined": set(), "slow": {0: 0, 1: 0}, "after": {0: 0, 1: 0}}
 
     def hook(launcher: Launcher, r: dict[str, Any]) -> None:

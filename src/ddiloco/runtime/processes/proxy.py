@@ -43,6 +43,7 @@ from typing import IO, Any, Generic, TypeVar
 import zmq
 
 from ddiloco.config import NetworkConfig
+from ddiloco.core.links import Links
 from ddiloco.errors import ConfigError, require
 from ddiloco.runtime.processes.common import EVENT_PREFIX, Socket
 
@@ -152,33 +153,36 @@ class _Frame(Generic[T]):
 
 
 class LinkShaper(Generic[T]):
-    """Each learner's two links (``up``, ``down``) as the simulated clock's Network has them.
+    """Each learner's two links (``up``, ``down``) on the core's link model, which the
+    simulated clock's Network uses too (:class:`~ddiloco.core.links.Links`).
 
     A link carries one frame at a time, in order. ``cut``: nothing starts until the cut ends
     (frames wait, none is dropped; one already going through finishes). ``slow``: a frame
     takes nbytes / (gbps / factor) to go through; after ``seconds`` (0: never) the factor goes
     back to 1, as the simulated clock restores it. At factor 1 nothing is added: frames pass
-    at whatever speed the real network has. Pure bookkeeping on the times handed in.
+    at whatever speed the real network has. A frame's start is decided when it reaches the
+    head of its link's queue, so a cut begun meanwhile holds it too. Pure bookkeeping on the
+    times handed in.
     """
 
     def __init__(self, gbps: float, counts: Counter[str] | None = None) -> None:
         require(gbps > 0 and math.isfinite(gbps), "proxy.gbps", gbps, "must be > 0")
         self.gbps = gbps
         self.counts: Counter[str] = Counter() if counts is None else counts
-        self.cut_until: dict[int, float] = {}
-        self.factor: dict[int, float] = {}
+        self.model = Links()
+        self.cut_until = self.model.cut_until  # (read by tests and counters)
+        self.factor = self.model.factor
         self.restores: list[tuple[float, int, int]] = []  # (when, tie, learner): factor -> 1
-        self.free_at: dict[tuple[str, int], float] = {}
         self.queues: dict[tuple[str, int], deque[_Frame[T]]] = {}
         self._tie = itertools.count()
 
     def cut(self, learner: int, now: float, seconds: float) -> None:
-        self.cut_until[learner] = max(now + seconds, self.cut_until.get(learner, 0.0))
+        self.model.cut(learner, now + seconds)
         self.counts["link_cut"] += 1
 
     def slow(self, learner: int, now: float, factor: float, seconds: float) -> None:
         self._restore(now)
-        self.factor[learner] = factor
+        self.model.slow(learner, factor)
         if seconds > 0:
             heapq.heappush(self.restores, (now + seconds, next(self._tie), learner))
         self.counts["link_slow"] += 1
@@ -191,16 +195,19 @@ class LinkShaper(Generic[T]):
 
     def _restore(self, now: float) -> None:
         while self.restores and self.restores[0][0] <= now:
-            self.factor[heapq.heappop(self.restores)[2]] = 1.0
+            self.model.slow(heapq.heappop(self.restores)[2], 1.0)
 
     def submit(self, learner: int, direction: str, now: float, nbytes: int, item: T) -> bool:
         """Hand a frame to a link at ``now``: True if it may go at once (nothing to emulate),
         else it is queued and :meth:`due` returns it when it has gone through."""
         self._restore(now)
         key = (direction, learner)
-        cut = now < self.cut_until.get(learner, 0.0)
-        if (not self.queues.get(key) and not cut and now >= self.free_at.get(key, 0.0)
-                and self.factor.get(learner, 1.0) <= 1.0):  # fmt: skip
+        cut = self.model.is_cut(learner, now)
+        if (
+            not self.queues.get(key)
+            and self.model.start(key, now) <= now
+            and (self.model.factor_of(learner) <= 1.0)
+        ):
             return True
         self.counts["held" if cut else "queued"] += 1
         self.queues.setdefault(key, deque()).append(_Frame(now, nbytes, item))
@@ -214,18 +221,16 @@ class LinkShaper(Generic[T]):
             while frames:
                 head = frames[0]
                 if head.done is None:
-                    start = max(head.ready, self.free_at.get(key, 0.0),
-                                self.cut_until.get(key[1], 0.0))  # fmt: skip
+                    start = self.model.start(key, head.ready)
                     if start > now:
                         break
-                    factor = self.factor.get(key[1], 1.0)
-                    wire = head.nbytes * 8.0 / (self.gbps * 1e9) * factor if factor > 1 else 0
-                    if factor > 1:
+                    slowed = self.model.factor_of(key[1]) > 1
+                    if slowed:
                         self.counts["slowed"] += 1
-                    head.done = start + wire
+                    gbps = self.gbps if slowed else math.inf  # unslowed: the real speed
+                    head.done = self.model.carry(key, start, head.nbytes, gbps)
                 if head.done > now:
                     break
-                self.free_at[key] = head.done
                 out.append(frames.popleft().item)
         for key in [k for k, frames in self.queues.items() if not frames]:
             del self.queues[key]

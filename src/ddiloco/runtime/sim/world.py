@@ -8,6 +8,7 @@ from __future__ import annotations
 import random
 
 from ddiloco.config import HardwareConfig, NetworkConfig
+from ddiloco.core.links import Links
 
 
 class StepTimes:
@@ -25,29 +26,17 @@ class StepTimes:
         return c.step_seconds * self.speed[learner] * self.slowdown[learner] * jitter
 
 
-class Network:
-    """Links between each learner and the syncer (one per direction) and between learners.
-
-    A link carries one transfer at a time: a transfer queued behind another starts when the
-    link frees up, which is how a large fragment delays the next one on a slow link.
-    """
+class Network(Links):
+    """Links between each learner and the syncer (one per direction) and between learners,
+    on the core's link model (:class:`~ddiloco.core.links.Links`), plus the latency."""
 
     def __init__(self, config: NetworkConfig) -> None:
+        super().__init__()
         self.config = config
-        self._free_at: dict[tuple[str, int], float] = {}
-        self._factor: dict[int, float] = {}  # learner -> bandwidth divisor (link_slow)
-        self._cut_until: dict[int, float] = {}  # learner -> its links carry nothing until
-
-    def seconds(self, nbytes: int, gbps: float) -> float:
-        return nbytes * 8.0 / (gbps * 1e9)
 
     def send(self, link: tuple[str, int], now: float, nbytes: int, gbps: float) -> float:
         """Queue ``nbytes`` on ``link`` at ``now``; return the arrival time."""
-        learner = link[1]
-        start = max(now, self._free_at.get(link, 0.0), self._cut_until.get(learner, 0.0))
-        done = start + self.seconds(nbytes, gbps) * self._factor.get(learner, 1.0)
-        self._free_at[link] = done
-        return done + self.config.latency_seconds
+        return self.carry(link, self.start(link, now), nbytes, gbps) + self.config.latency_seconds
 
     def up(self, learner: int, now: float, nbytes: int) -> float:
         """Learner -> syncer."""
@@ -60,19 +49,3 @@ class Network:
     def peer(self, learner: int, now: float, nbytes: int) -> float:
         """Peer -> (re)starting learner, for recovery."""
         return self.send(("peer", learner), now, nbytes, self.config.learner_learner_gbps)
-
-    def slow(self, learner: int, factor: float) -> None:
-        """Divide the learner's bandwidth by ``factor`` (1.0 restores it)."""
-        self._factor[learner] = factor
-
-    def factor_of(self, learner: int) -> float:
-        return self._factor.get(learner, 1.0)
-
-    def cut(self, learner: int, until: float) -> None:
-        """The learner's links carry nothing until ``until``; transfers resume after."""
-        self._cut_until[learner] = max(until, self._cut_until.get(learner, 0.0))
-
-    def reset(self, learner: int, now: float) -> None:
-        """A dead learner's queued transfers die with it."""
-        for kind in ("up", "down", "peer"):
-            self._free_at[(kind, learner)] = now
