@@ -134,3 +134,17 @@ def test_only_loopback_peers_get_a_writer(run):
     assert shm.writer_for(run, "S", 1, "127.0.0.1", enabled=True) is not None
     assert shm.writer_for(run, "S", 1, "10.0.0.5", enabled=True) is None
     assert shm.writer_for(run, "S", 1, "127.0.0.1", enabled=False) is None
+
+
+def test_a_slot_holding_an_unacknowledged_message_is_not_overwritten(run):
+    tx, rx = sender(run), receiver(run)
+    payloads = [os.urandom(BIG) for _ in range(4)]
+    first = tx.encode("answer", fragment=1, payload=payloads[0])
+    second = tx.encode("answer", fragment=1, payload=payloads[1])
+    busy = frozenset({bytes(first[1]), bytes(second[1])})  # neither acknowledged yet
+    third = tx.encode("answer", fragment=1, payload=payloads[2], busy=busy)
+    assert PREFIX.unpack_from(third[0])[2] == 0  # both slots taken: inline
+    fourth = tx.encode("answer", fragment=1, payload=payloads[3], busy=frozenset({second[1]}))
+    assert PREFIX.unpack_from(fourth[0])[2] == FLAG_SHM  # the first was acknowledged: reused
+    for parts, payload in ((second, payloads[1]), (third, payloads[2]), (fourth, payloads[3])):
+        assert bytes(rx.decode(parts).payload) == payload

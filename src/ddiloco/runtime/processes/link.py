@@ -24,7 +24,15 @@ import zmq
 from ddiloco.core.codec import CodecSpec, encode_tensors
 from ddiloco.core.learner_state import Snapshot
 from ddiloco.runtime.processes.common import Backoff, Socket, configure
-from ddiloco.runtime.processes.wire import Wire, WireError, decode_update, payload_size
+from ddiloco.runtime.processes.wire import (
+    FLAG_SHM,
+    PREFIX,
+    Part,
+    Wire,
+    WireError,
+    decode_update,
+    payload_size,
+)
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +68,7 @@ class SyncerLink(threading.Thread):
         self._inbox: dict[int, tuple[int, list[Any]]] = {}
         self.pending: dict[Key, tuple[dict[str, Any], bytes]] = {}
         self.sent_to: dict[Key, int | None] = {}  # the syncer session an answer went to
+        self.slots: dict[Key, bytes] = {}  # shared-memory reference of each pending answer
         self.status: dict[str, Any] = {}  # what a hello says; replaced by the training thread
         self.registered = False
         self.welcome: dict[str, Any] | None = None
@@ -164,15 +173,16 @@ class SyncerLink(threading.Thread):
         self._send("hello", meta=self.status)
         self.next_hello = time.monotonic() + self.backoff.next_delay()
 
-    def _send(self, kind: str, **kw: Any) -> bool:
+    def _send(self, kind: str, **kw: Any) -> list[Part] | None:
+        """Encode and send one frame; its parts, or None if zmq could not take it."""
         assert self.sock is not None
         parts = self.wire.encode(kind, learner=self.learner, **kw)
         try:
             self.sock.send_multipart(parts, zmq.NOBLOCK, copy=False)
         except zmq.Again:
-            return False
+            return None
         self.bytes_sent += payload_size(parts)
-        return True
+        return parts
 
     def _drain(self) -> None:
         while True:
@@ -197,7 +207,7 @@ class SyncerLink(threading.Thread):
             meta = {**meta, "tokens": self.carry["tokens"] + meta["tokens"],
                     "rebased": sorted({*self.carry["rebased"], *meta["rebased"]})}  # fmt: skip
             self.carry = None
-        if not (self.welcomed.is_set() and self._send("progress", meta=meta)):
+        if not (self.welcomed.is_set() and self._send("progress", meta=meta) is not None):
             self.carry = meta
 
     def _answer(self, snap: Snapshot) -> None:
@@ -205,16 +215,22 @@ class SyncerLink(threading.Thread):
         payload = encode_tensors(snap.delta, self.codec)
         self.pending[snap.meta.key] = (meta, payload)
         while len(self.pending) > self.max_pending:
-            self.sent_to.pop(next(iter(self.pending)), None)
-            self.pending.pop(next(iter(self.pending)))
+            self._forget(next(iter(self.pending)))
         if self.welcomed.is_set():
             self._send_answer(meta, payload)
 
     def _send_answer(self, meta: dict[str, Any], payload: bytes) -> None:
-        if self._send("answer", fragment=meta["fragment"], round=meta["round_id"], meta=meta,
-                      payload=payload):  # fmt: skip
-            key = (meta["learner"], meta["incarnation"], meta["seq"])
+        """An answer stays pending until the syncer acknowledges it (a verdict, or its key
+        in a merged fragment): so does the shared-memory slot it went in, which the next
+        answers must not overwrite (the syncer may not have read it yet)."""
+        key = (meta["learner"], meta["incarnation"], meta["seq"])
+        parts = self._send("answer", fragment=meta["fragment"], round=meta["round_id"],
+                           meta=meta, payload=payload,
+                           busy=frozenset(self.slots.values()))  # fmt: skip
+        if parts is not None:
             self.sent_to[key] = self.syncer_session
+            if PREFIX.unpack_from(parts[0], 0)[2] & FLAG_SHM:
+                self.slots[key] = bytes(parts[1])
 
     def _handle(self, frames: list[zmq.Frame]) -> None:
         try:
@@ -290,3 +306,4 @@ class SyncerLink(threading.Thread):
     def _forget(self, key: Key) -> None:
         self.pending.pop(key, None)
         self.sent_to.pop(key, None)
+        self.slots.pop(key, None)

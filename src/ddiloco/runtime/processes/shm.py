@@ -109,8 +109,11 @@ class ShmWriter:
         self._slots: dict[str, _Slot] = {}
         self._turn: dict[str, int] = {}
 
-    def put(self, key: str, payload: memoryview, digest: bytes, seq: int) -> bytes | None:
-        """Write ``payload`` (whose digest the frame carries) into the key's next slot."""
+    def put(self, key: str, payload: memoryview, digest: bytes, seq: int,
+            busy: frozenset[bytes] = frozenset()) -> bytes | None:  # fmt: skip
+        """Write ``payload`` (whose digest the frame carries) into the key's older slot, or
+        the other one if the older still holds a message in ``busy`` (references a receiver
+        may not have read yet: the sender keeps them until acknowledged); None if both do."""
         n = payload.nbytes
         if n < MIN_BYTES:
             return None
@@ -118,9 +121,14 @@ class ShmWriter:
             slot = self._slots.get(f"{key}-{turn}")
             if slot is not None and slot.digest == digest:
                 return slot.ref
-        turn = 1 - self._turn.get(key, 1)
-        name = f"{key}-{turn}"
-        slot = self._slots.get(name)
+        older = 1 - self._turn.get(key, 1)
+        for turn in (older, 1 - older):
+            name = f"{key}-{turn}"
+            slot = self._slots.get(name)
+            if slot is None or slot.ref not in busy:
+                break
+        else:
+            return None  # both slots hold messages not yet acknowledged: send inline
         held = sum(len(s.map) for s in self._slots.values() if s.map is not None)
         if held - (len(slot.map) if slot and slot.map else 0) + STAMP.size + n > self.max_bytes:
             return None

@@ -189,9 +189,11 @@ class Wire:
         meta: dict[str, Any] | None = None,
         payload: Part = b"",
         inline: bool = False,
+        busy: frozenset[bytes] = frozenset(),
     ) -> list[Part]:
         """One frame as its three parts (head, payload, trailer), with the next sequence;
-        ``inline`` keeps the payload in the frame (a receiver that cannot see our slots)."""
+        ``inline`` keeps the payload in the frame (a receiver that cannot see our slots);
+        ``busy``: shared-memory references not to overwrite (see :meth:`ShmWriter.put`)."""
         body = _as_view(payload)
         with self._lock:
             seq = self._seq
@@ -204,7 +206,7 @@ class Wire:
                 if isinstance(payload, bytes):
                     self._last = (payload, digest)
             shm = None if inline else self.shm
-            ref = shm.put(f"{kind}-{fragment}", body, digest, seq) if shm else None
+            ref = shm.put(f"{kind}-{fragment}", body, digest, seq, busy) if shm else None
         header = msgpack.packb(
             {
                 "run": self.run,
