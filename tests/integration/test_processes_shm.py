@@ -11,7 +11,7 @@ from ddiloco.config import load_config
 from ddiloco.runtime.processes.launcher import SYNCER, Launcher
 
 BASE = ["model='gpt-tiny'", "methods=['decoupled']", "runtime='processes'", "train.learners=2",
-        "train.batch_size=2", "train.tokens=24000", "train.eval_every=1000000",
+        "train.batch_size=2", "train.tokens=48000", "train.eval_every=1000000",
         "sync.fragments=1", "sync.sync_every=8", "data.eval_batches=1",
         "processes.detect_seconds=3.0", "processes.max_wall_seconds=120"]  # fmt: skip
 
@@ -45,5 +45,5 @@ def test_learners_behind_another_dev_shm_are_sent_inline_and_merged(tmp_path):
     missed += summary["refused_by_learners"].get("shm_missing", 0)
     assert missed >= 1, (summary["refused"], summary["refused_by_learners"])
     # ... then both sides went inline: every learner is merged, the run ends by its tokens
-    assert summary["tokens"] >= 24000 and merged(records, 0) >= 3 and merged(records, 1) >= 3
+    assert summary["tokens"] >= 48000 and merged(records, 0) >= 3 and merged(records, 1) >= 3
     assert summary["ledger_balanced"]
