@@ -176,9 +176,14 @@ class ProcessesConfig:
     proxy: str = ""  # faults between learners and syncer, e.g. "drop=0.02,corrupt=0.01"
     ranks: int = 1  # data-parallel ranks per learner (torchrun; only rank 0 talks)
     shared_memory: bool = True  # same-host fragments through /dev/shm (off behind a proxy)
+    give_up_seconds: float = 60.0  # a learner that hears no syncer this long exits non-zero
+    max_restarts: int = 5  # failed starts in a row of one process before the launcher gives up
+    restart_backoff_cap_seconds: float = 30.0  # restart delays double up to this
 
     def __post_init__(self) -> None:
-        for name in ("restart_delay_seconds", "detect_seconds", "max_wall_seconds"):
+        require(self.max_restarts >= 0, "processes.max_restarts", self.max_restarts, ">= 0")
+        for name in ("restart_delay_seconds", "detect_seconds", "max_wall_seconds",
+                     "give_up_seconds", "restart_backoff_cap_seconds"):  # fmt: skip
             value = getattr(self, name)
             require(value > 0, f"processes.{name}", value, "must be > 0")
         require(self.ranks >= 1, "processes.ranks", self.ranks, "must be >= 1")

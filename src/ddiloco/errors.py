@@ -6,7 +6,12 @@ field and value, so callers can catch ``ValueError`` or the narrower class.
 
 from __future__ import annotations
 
+import reprlib
 from typing import Any
+
+_REPR = reprlib.Repr()
+_REPR.maxlevel = 3  # a value from the network may be nested 1000 deep or megabytes long
+_REPR.maxstring = _REPR.maxother = 80
 
 
 class DDiLoCoError(ValueError):
@@ -16,7 +21,7 @@ class DDiLoCoError(ValueError):
         self.field = field
         self.value = value
         self.why = why
-        super().__init__(f"{field}={value!r}: {why}")
+        super().__init__(f"{field}={_REPR.repr(value)}: {why}")
 
 
 class ConfigError(DDiLoCoError):
