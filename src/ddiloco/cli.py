@@ -8,7 +8,9 @@ from collections.abc import Sequence
 
 from ddiloco import __version__
 from ddiloco.commands import bandwidth, compare, learner, plan, simulate, syncer, train
-from ddiloco.errors import DDiLoCoError
+from ddiloco.errors import FATAL_EXIT, DDiLoCoError
+
+SERVICES = ("syncer", "learner")  # started by a supervisor, which must not restart them
 
 COMMANDS = {
     "train": (train, "train with Decoupled DiLoCo and baselines (no arguments: the demo)"),
@@ -44,8 +46,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.run(args))
     except DDiLoCoError as exc:
-        print(f"ddiloco {args.command}: error: {exc}", file=sys.stderr)
-        return 2
+        print(f"ddiloco {args.command}: error: {exc}", file=sys.stderr, flush=True)
+        return FATAL_EXIT if args.command in SERVICES else 2
 
 
 if __name__ == "__main__":

@@ -9,6 +9,8 @@ from __future__ import annotations
 import reprlib
 from typing import Any
 
+FATAL_EXIT = 78  # a syncer or learner that a restart cannot help exits so (EX_CONFIG)
+
 _REPR = reprlib.Repr()
 _REPR.maxlevel = 3  # a value from the network may be nested 1000 deep or megabytes long
 _REPR.maxstring = _REPR.maxother = 80

@@ -100,13 +100,34 @@ def test_a_replayed_or_duplicated_frame_is_refused():
     assert refused(rx, second, "replay").field == "seq"
 
 
-def test_a_frame_from_an_earlier_session_is_refused():
-    old = Wire("run-1", SECRET, "L0", 7)
-    new = Wire("run-1", SECRET, "L0", 8)
+def test_a_frame_from_an_earlier_session_is_refused_whatever_the_numbers():
+    old = Wire("run-1", SECRET, "L0", 8)
+    new = Wire("run-1", SECRET, "L0", 7)  # sessions are random: a new one may be smaller
     rx = Wire("run-1", SECRET, "S", 1)
+    rx.decode(old.encode("hello"))
     stale = old.encode("answer")
-    rx.decode(new.encode("hello"))
+    rx.decode(new.encode("hello"))  # the sender's next life
     assert refused(rx, stale, "replay").field == "session"
+    rx.decode(new.encode("answer"))
+
+
+def test_a_huge_sequence_number_or_a_deep_meta_is_refused_before_use():
+    tx, rx = pair()
+    deep: list = []
+    node = deep
+    for _ in range(900):
+        node.append([])
+        node = node[0]
+    err = refused(rx, tx.encode("hello", meta={"x": deep}), "header")
+    assert err.field == "header.meta" and len(str(err)) < 300
+    tx._seq = 1 << 63
+    assert refused(rx, tx.encode("hello"), "header").field == "header.seq"
+
+
+def test_every_frame_names_its_receivers_session():
+    tx, rx = pair()
+    assert rx.decode(tx.encode("progress", to=42)).header.to == 42
+    assert rx.decode(tx.encode("hello")).header.to == 0
 
 
 def test_an_unauthenticated_frame_is_refused():

@@ -11,6 +11,7 @@ import pytest
 import zmq
 
 from ddiloco.errors import ConfigError
+from ddiloco.runtime.processes.auth import Gatekeeper, present, serve_plain
 from ddiloco.runtime.processes.proxy import (
     DOWN,
     UP,
@@ -21,6 +22,9 @@ from ddiloco.runtime.processes.proxy import (
     parse_command,
 )
 from ddiloco.runtime.processes.wire import Wire, WireError
+
+SECRET = b"k" * 32
+AUTH = {"run": "r", "secret": SECRET}
 
 
 def test_a_spec_is_parsed_and_a_bad_one_names_the_field():
@@ -44,7 +48,7 @@ def test_a_spec_is_parsed_and_a_bad_one_names_the_field():
     ],
 )
 def test_each_fault_damages_a_frame_the_way_the_wire_then_refuses(spec, reason, copies):
-    proxy = FaultProxy("127.0.0.1:0", "127.0.0.1:1", Faults.parse(spec), seed=3)
+    proxy = FaultProxy("127.0.0.1:0", "127.0.0.1:1", Faults.parse(spec), seed=3, **AUTH)
     try:
         tx, rx = Wire("r", b"k" * 32, "L0", 1), Wire("r", b"k" * 32, "S", 1)
         frame = [bytes(p) for p in tx.encode("answer", payload=b"\x07" * 300)]
@@ -63,7 +67,8 @@ def test_each_fault_damages_a_frame_the_way_the_wire_then_refuses(spec, reason, 
 
 def test_the_same_seed_makes_the_same_decisions():
     def decisions(seed: int) -> list[int]:
-        proxy = FaultProxy("127.0.0.1:0", "127.0.0.1:1", Faults.parse("drop=0.5"), seed=seed)
+        proxy = FaultProxy("127.0.0.1:0", "127.0.0.1:1", Faults.parse("drop=0.5"), seed=seed,
+                           **AUTH)  # fmt: skip
         try:
             return [len(proxy.injure([b"a", b"b", b"c"])) for _ in range(50)]
         finally:
@@ -119,7 +124,7 @@ def test_a_bad_link_command_is_refused_with_a_clear_message(line, message):
 
 
 def test_the_control_channel_hands_on_good_commands_and_the_errors_of_bad_ones():
-    proxy = FaultProxy("127.0.0.1:0", "127.0.0.1:1", Faults())
+    proxy = FaultProxy("127.0.0.1:0", "127.0.0.1:1", Faults(), **AUTH)
     try:
         stream = io.BytesIO(b'{"link": 1, "cut_seconds": 2}\n\n{"link": 1}\n'
                             + b"y" * 5000 + b'\n{"link": 0, "factor": 3}')  # fmt: skip
@@ -185,21 +190,31 @@ def test_a_cut_and_a_slow_link_add_up_like_the_simulated_clocks():
     assert links.due(3.99) == [] and links.due(4.0) == ["a"]
 
 
-def _recv(sock: zmq.Socket, timeout: float) -> list[bytes] | None:
+def _recv(sock: zmq.Socket, timeout: float, routes: dict | None = None) -> list[bytes] | None:
+    """One message; at a server, [the sender's authenticated name, *parts]."""
     if sock.poll(int(timeout * 1000)):
-        return sock.recv_multipart()
+        frames = sock.recv_multipart(copy=False)
+        if routes is None:
+            return [f.bytes for f in frames]
+        user = frames[-1].get("User-Id")
+        routes[user] = frames[0].bytes
+        return [user.encode(), *(f.bytes for f in frames[1:])]
     return None
 
 
 def test_the_proxy_holds_a_cut_learners_traffic_on_loopback_and_lets_the_others_through():
-    ctx = zmq.Context.instance()
+    ctx = zmq.Context()
+    gate = Gatekeeper(ctx, SECRET, "r", lambda name: True)
+    gate.start()
     syncer = ctx.socket(zmq.ROUTER)
     syncer.setsockopt(zmq.LINGER, 0)
+    serve_plain(syncer)
     port = syncer.bind_to_random_port("tcp://127.0.0.1")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         listen = f"127.0.0.1:{s.getsockname()[1]}"
-    proxy = FaultProxy(listen, f"127.0.0.1:{port}", Faults(), seed=1)
+    proxy = FaultProxy(listen, f"127.0.0.1:{port}", Faults(), seed=1, **AUTH)
+    routes: dict[str, bytes] = {}
     thread = threading.Thread(target=proxy.serve, daemon=True)
     thread.start()
     learners = {}
@@ -207,23 +222,23 @@ def test_the_proxy_holds_a_cut_learners_traffic_on_loopback_and_lets_the_others_
         for m in (0, 1):
             sock = ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.IDENTITY, f"L{m}".encode())
+            present(sock, SECRET, "r", f"L{m}")
             sock.connect(f"tcp://{listen}")
             learners[m] = sock
         learners[1].send_multipart([b"hello"])  # both connected before the cut
-        assert _recv(syncer, 5.0) == [b"L1", b"hello"]
+        assert _recv(syncer, 5.0, routes) == [b"L1", b"hello"]
         proxy.commands.put(LinkCommand(1, cut_seconds=1.0))
         time.sleep(0.1)  # applied within one poll (10 ms)
         cut_at = time.monotonic()
         learners[1].send_multipart([b"one"])
         learners[1].send_multipart([b"two"])
         learners[0].send_multipart([b"zero"])
-        syncer.send_multipart([b"L1", b"down"])
-        assert _recv(syncer, 0.5) == [b"L0", b"zero"]  # learner 0 is not cut
-        assert _recv(syncer, 0.3) is None  # learner 1's frames are held
-        assert _recv(syncer, 2.0) == [b"L1", b"one"]  # and released, in order, after the cut
+        syncer.send_multipart([routes["L1"], b"down"])
+        assert _recv(syncer, 0.5, routes) == [b"L0", b"zero"]  # learner 0 is not cut
+        assert _recv(syncer, 0.3, routes) is None  # learner 1's frames are held
+        assert _recv(syncer, 2.0, routes) == [b"L1", b"one"]  # released, in order, after the cut
         assert time.monotonic() - cut_at >= 0.9
-        assert _recv(syncer, 1.0) == [b"L1", b"two"]
+        assert _recv(syncer, 1.0, routes) == [b"L1", b"two"]
         assert _recv(learners[1], 1.0) == [b"down"]  # the syncer -> learner way too
         assert proxy.counts["held"] == 3 and proxy.counts["link_cut"] == 1
     finally:
@@ -231,3 +246,5 @@ def test_the_proxy_holds_a_cut_learners_traffic_on_loopback_and_lets_the_others_
         thread.join(timeout=5.0)
         for sock in (syncer, *learners.values()):
             sock.close(0)
+        gate.close()
+        ctx.term()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import secrets
 import sys
 import threading
 import time
@@ -33,9 +34,13 @@ def load_secret(secret_file: str | None) -> bytes:
     """The run secret: from ``secret_file`` (hex or raw bytes) or $DDILOCO_SECRET (hex)."""
     if secret_file:
         try:
+            mode = os.stat(secret_file).st_mode
             raw = Path(secret_file).read_bytes().strip()
         except OSError as exc:
             raise ConfigError("--secret-file", secret_file, f"cannot read: {exc}") from None
+        if mode & 0o077:  # as ssh refuses a private key others can read
+            why = f"readable by others (mode {mode & 0o777:o}): chmod 600 it"
+            raise ConfigError("--secret-file", secret_file, why)
         try:
             secret = bytes.fromhex(raw.decode("ascii"))
         except (UnicodeDecodeError, ValueError):
@@ -49,13 +54,16 @@ def load_secret(secret_file: str | None) -> bytes:
         except ValueError:
             raise ConfigError(SECRET_ENV, "<hidden>", "must be hex") from None
     if len(secret) < SECRET_MIN_BYTES:
-        raise ConfigError("secret", f"{len(secret)} bytes", f"need >= {SECRET_MIN_BYTES}")
+        raise ConfigError("secret", f"{len(secret)} bytes",
+                          f"need >= {SECRET_MIN_BYTES} random bytes; make one with: python -c "
+                          "'import secrets; print(secrets.token_hex(32))'")  # fmt: skip
     return secret
 
 
 def new_session() -> int:
-    """A number that grows with every process life (milliseconds since the epoch)."""
-    return time.time_ns() // 1_000_000
+    """A fresh random number for every process life: not a clock reading, so a host whose
+    clock is behind is never mistaken for an old life (the wire's replay window)."""
+    return secrets.randbits(62) | 1
 
 
 def parse_address(text: str, field: str) -> tuple[str, int]:

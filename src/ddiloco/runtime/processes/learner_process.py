@@ -26,6 +26,7 @@ import torch
 
 from ddiloco.core.learner_state import LearnerSync
 from ddiloco.data.corpus import BatchStream
+from ddiloco.errors import ConfigError
 from ddiloco.runtime.processes.common import Events, new_session, pack_tree, unpack_tree
 from ddiloco.runtime.processes.link import SyncerLink
 from ddiloco.runtime.processes.peer import PeerError, SnapshotServer, fetch_snapshot
@@ -83,7 +84,8 @@ class LearnerProcess:
         shm = writer_for(run_id, f"L{learner}", self.incarnation, syncer.rpartition(":")[0],
                          config.processes.shared_memory)  # fmt: skip
         wire = Wire(run_id, secret, f"L{learner}", self.incarnation, limits, shm=shm)
-        self.link = SyncerLink(syncer, wire, learner, sync.codec_spec(), shapes)
+        self.link = SyncerLink(syncer, wire, learner, sync.codec_spec(), shapes,
+                               give_up_seconds=config.processes.give_up_seconds)  # fmt: skip
         self.server = SnapshotServer(peer_host, run_id, secret, learner)
         self.leaving = threading.Event()
         self.started = time.monotonic()
@@ -115,6 +117,8 @@ class LearnerProcess:
         try:
             while self.step():
                 pass
+            if self.ranks.leader and self.link.fatal is not None:
+                raise ConfigError("syncer", self.link.address, self.link.fatal)
             if self.ranks.leader and not self.link.stopped.is_set():  # leaving on our own
                 self.link.bye()
                 self.events("leave", learner=self.m)
@@ -133,7 +137,7 @@ class LearnerProcess:
 
     def should_stop(self) -> bool:
         """Rank 0's call: the syncer said stop, we were asked to leave, or our time is up."""
-        if self.link.stopped.is_set() or self.leaving.is_set():
+        if self.link.stopped.is_set() or self.leaving.is_set() or self.link.fatal is not None:
             return True
         if self.leave_after and time.monotonic() - self.started >= self.leave_after:
             return True
@@ -210,8 +214,8 @@ class LearnerProcess:
             return
         # nobody to copy: the syncer's global fragments, fresh inner state, the global step
         self.link.register(self.status())
-        if not self.link.welcomed.wait(60.0):
-            log.warning("learner %d: no welcome from the syncer; training from Theta_0", self.m)
+        self.link.welcomed.wait()  # a welcome, or the link gives up (it then says why)
+        if self.link.fatal is not None:
             return
         welcome = self.link.welcome or {}
         step = int(welcome.get("global_step", 0))

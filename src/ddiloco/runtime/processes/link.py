@@ -8,6 +8,10 @@ after the syncer restarts (the core recognises duplicates, so a re-push is never
 twice). When the syncer goes silent it reconnects with capped exponential backoff and
 jitter, and registers again. No algorithm logic: the core's LearnerSync stays in the
 training thread.
+
+It never trains alone in silence: a syncer that refuses its credentials (wrong secret or run
+id), or one that has not answered for ``give_up_seconds``, sets :attr:`SyncerLink.fatal` to
+a message naming the cause, and the learner stops with it.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import zmq
 
 from ddiloco.core.codec import CodecSpec, encode_tensors
 from ddiloco.core.learner_state import Snapshot
+from ddiloco.runtime.processes.auth import HandshakeWatch, present
 from ddiloco.runtime.processes.common import Backoff, Socket, configure
 from ddiloco.runtime.processes.wire import (
     FLAG_SHM,
@@ -52,6 +57,7 @@ class SyncerLink(threading.Thread):
         *,
         silence_seconds: float = 3.0,
         max_pending: int = 64,
+        give_up_seconds: float = 60.0,
     ) -> None:
         super().__init__(name=f"syncer-link-{learner}", daemon=True)
         self.address = address
@@ -60,6 +66,10 @@ class SyncerLink(threading.Thread):
         self.codec = codec
         self.shapes = shapes
         self.silence = silence_seconds
+        self.give_up = give_up_seconds
+        self.fatal: str | None = None  # why this learner must stop (set once, by the thread)
+        self.watch: HandshakeWatch | None = None
+        self.last_welcome = time.monotonic()  # since when we have been without a syncer
         self.max_pending = max_pending
         self.backoff = Backoff(0.2, 2.0)
         self.outbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
@@ -113,7 +123,7 @@ class SyncerLink(threading.Thread):
     def request_peers(self, timeout: float) -> dict[str, str]:
         """Ask the syncer for the live peers' recovery addresses (used before training)."""
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and self.fatal is None:
             self.outbox.put(("peers", None))
             try:
                 return self._peers.get(timeout=1.0)
@@ -130,8 +140,13 @@ class SyncerLink(threading.Thread):
     # -- the thread -------------------------------------------------------------------------
     def run(self) -> None:
         self._connect()
-        while not self._closing.is_set():
+        while not self._closing.is_set() and self.fatal is None:
             assert self.sock is not None
+            assert self.watch is not None
+            refused = self.watch.poll()
+            if refused is not None:
+                self._fail(f"the syncer at {self.address} {refused.split(' ', 1)[1]}")
+                break
             if self.sock.poll(20):
                 while True:
                     try:
@@ -145,25 +160,44 @@ class SyncerLink(threading.Thread):
                 self._hello()  # until the syncer answers, with capped, jittered backoff
             elif self.welcomed.is_set() and now - self.last_rx > self.silence:
                 self._reconnect()
-        if self.sock is not None:
-            self.sock.close(0)
+            if self.registered and not self.welcomed.is_set():
+                if now - self.last_welcome > self.give_up:
+                    self._fail(f"no syncer answered at {self.address} for {self.give_up:.0f}s "
+                               "(not started, already finished, or unreachable); giving up "
+                               "(processes.give_up_seconds)")  # fmt: skip
+            else:
+                self.last_welcome = now
+        self._disconnect()
+
+    def _fail(self, why: str) -> None:
+        log.error("learner %d: %s", self.learner, why)
+        self.fatal = why
+        self.welcomed.set()  # wake whoever waits for a welcome: there will be none
 
     def _connect(self) -> None:
         sock = self.ctx.socket(zmq.DEALER)
         configure(sock, self.wire.limits)
-        sock.setsockopt(zmq.IDENTITY, f"L{self.learner}".encode())
+        present(sock, self.wire.secret, self.wire.run, f"L{self.learner}")
         sock.setsockopt(zmq.IMMEDIATE, 1)  # nothing queues for a syncer that is not there
+        self.watch = HandshakeWatch(sock, self.address)
         sock.connect(f"tcp://{self.address}")
         self.sock = sock
         self.last_rx = time.monotonic()
+
+    def _disconnect(self) -> None:
+        if self.watch is not None:
+            self.watch.close()
+            self.watch = None
+        if self.sock is not None:
+            self.sock.close(0)
+            self.sock = None
 
     def _reconnect(self) -> None:
         """The syncer went silent: drop the socket (and whatever zmq queued in it) and start
         over; hellos follow with capped exponential backoff and jitter until welcomed."""
         log.warning("learner %d: syncer silent for %.1fs; reconnecting", self.learner,
                     time.monotonic() - self.last_rx)  # fmt: skip
-        if self.sock is not None:
-            self.sock.close(0)
+        self._disconnect()
         self.welcomed.clear()
         self.reconnects += 1
         self._connect()
@@ -176,7 +210,7 @@ class SyncerLink(threading.Thread):
     def _send(self, kind: str, **kw: Any) -> list[Part] | None:
         """Encode and send one frame; its parts, or None if zmq could not take it."""
         assert self.sock is not None
-        parts = self.wire.encode(kind, learner=self.learner, **kw)
+        parts = self.wire.encode(kind, learner=self.learner, to=self.syncer_session or 0, **kw)
         try:
             self.sock.send_multipart(parts, zmq.NOBLOCK, copy=False)
         except zmq.Again:
@@ -242,14 +276,18 @@ class SyncerLink(threading.Thread):
         h = msg.header
         if h.sender != "S" or h.learner != self.learner:
             return
+        if h.to != self.wire.session and not (h.to == 0 and h.kind == "no_shm"):
+            self.wire.refused["misaddressed"] += 1  # for an earlier life of this slot
+            return
         self.last_rx = time.monotonic()
         self.bytes_received += msg.payload.nbytes
-        if self.syncer_session is not None and h.session != self.syncer_session:
-            log.warning("learner %d: the syncer restarted; registering again", self.learner)
-            if self.registered and h.kind != "welcome":
+        if h.session != self.syncer_session:  # a syncer (life) we have not talked to yet
+            if self.syncer_session is not None:
+                log.warning("learner %d: the syncer restarted; registering again", self.learner)
+            self.syncer_session = h.session
+            if self.registered and h.kind not in ("welcome", "rehello"):
                 self.welcomed.clear()
                 self._hello()
-        self.syncer_session = h.session
         if h.kind == "ask":
             with self._lock:
                 self._asks[h.fragment] = h.round

@@ -5,7 +5,9 @@ learner uses. The server never stops training: it asks the training loop for a s
 which the loop builds between two steps (:meth:`SnapshotServer.wanted` /
 :meth:`SnapshotServer.provide`), then serves its chunks from memory while training goes
 on. Chunks are authenticated frames like everything else; the whole snapshot is checked
-against its SHA-256 at the end. What a snapshot holds (parameters, inner optimizer, step,
+against its SHA-256 at the end. The server's socket, like the syncer's, lets only holders
+of the run secret complete a handshake (auth.py), and it has a zmq context of its own, so
+its gatekeeper is the only one there. What a snapshot holds (parameters, inner optimizer, step,
 data position, base versions and bases) is the Trainer's and LearnerSync's business.
 """
 
@@ -21,6 +23,7 @@ from typing import Any
 import zmq
 
 from ddiloco.errors import DDiLoCoError
+from ddiloco.runtime.processes.auth import LEARNER_NAME, Gatekeeper, present, serve_plain
 from ddiloco.runtime.processes.common import Socket, configure, new_session
 from ddiloco.runtime.processes.wire import Limits, Wire, WireError
 
@@ -41,9 +44,12 @@ class SnapshotServer(threading.Thread):
         super().__init__(name=f"snapshot-server-{learner}", daemon=True)
         self.learner = learner
         self.wire = Wire(run, secret, f"P{learner}", new_session(), Limits(max_payload=1024))
-        self.ctx: zmq.Context[Socket] = zmq.Context.instance()
+        self.ctx: zmq.Context[Socket] = zmq.Context()
+        self.gate = Gatekeeper(self.ctx, secret, run, lambda n: bool(LEARNER_NAME.fullmatch(n)))
+        self.gate.start()  # before the bind: no handshake goes unchecked
         self.sock = self.ctx.socket(zmq.ROUTER)
         configure(self.sock, self.wire.limits)
+        serve_plain(self.sock)
         port = self.sock.bind_to_random_port(f"tcp://{bind_host}")
         self.address = f"{bind_host}:{port}"
         self._want = threading.Event()
@@ -92,6 +98,8 @@ class SnapshotServer(threading.Thread):
                 self._waiting.clear()
                 announced = newest
         self.sock.close(0)
+        self.gate.close()
+        self.ctx.term()
 
     def _handle(self, frames: list[zmq.Frame]) -> None:
         if len(frames) < 2:
@@ -131,6 +139,7 @@ def fetch_snapshot(
     ctx: zmq.Context[Socket] = zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)
     configure(sock, wire.limits)
+    present(sock, secret, run, f"L{learner}")
     sock.connect(f"tcp://{address}")
     deadline = time.monotonic() + timeout
 

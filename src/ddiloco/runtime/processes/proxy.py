@@ -1,11 +1,12 @@
 """A fault-injecting proxy between learners and the syncer: chaos for the wire.
 
 Owns nothing of the algorithm: it forwards zmq multipart frames between learners (which
-connect to it as if it were the syncer) and the syncer (to which it connects once per
-learner, under that learner's identity), and on the way drops, delays (so reorders),
-duplicates, truncates and corrupts them at the rates of a :class:`Faults` spec such as
-``"drop=0.02,duplicate=0.02,corrupt=0.01,truncate=0.01,delay=0.05"``. Seeded, so a spec and a
-seed replay the same decisions for the same traffic.
+connect to it as if it were the syncer, with their credentials: it checks them as the
+syncer does) and the syncer (to which it connects once per learner, with that learner's
+credentials: it holds the run secret, from $DDILOCO_SECRET), and on the way drops, delays
+(so reorders), duplicates, truncates and corrupts them at the rates of a :class:`Faults`
+spec such as ``"drop=0.02,duplicate=0.02,corrupt=0.01,truncate=0.01,delay=0.05"``. Seeded,
+so a spec and a seed replay the same decisions for the same traffic.
 
 It also plays the chaos plan's link faults, as the simulated clock models them
 (:class:`LinkShaper`): each learner has one link each way; ``link_cut`` makes both carry
@@ -17,7 +18,7 @@ line: ``{"link": 2, "cut_seconds": 5.0}`` or ``{"link": 2, "factor": 4.0, "secon
 ``processes.proxy`` is set or the plan has link faults, or by hand::
 
     python -m ddiloco.runtime.processes.proxy --listen 127.0.0.1:6000 \
-        --target 127.0.0.1:5555 --faults drop=0.01,corrupt=0.01
+        --target 127.0.0.1:5555 --run-id RUN --faults drop=0.01,corrupt=0.01
 """
 
 from __future__ import annotations
@@ -31,7 +32,6 @@ import logging
 import math
 import queue
 import random
-import re
 import signal
 import sys
 import threading
@@ -45,7 +45,8 @@ import zmq
 from ddiloco.config import NetworkConfig
 from ddiloco.core.links import Links
 from ddiloco.errors import ConfigError, require
-from ddiloco.runtime.processes.common import EVENT_PREFIX, Socket
+from ddiloco.runtime.processes.auth import Gatekeeper, learner_of, present, serve_plain
+from ddiloco.runtime.processes.common import EVENT_PREFIX, Socket, load_secret
 
 log = logging.getLogger(__name__)
 
@@ -54,7 +55,6 @@ DEFAULT_GBPS = NetworkConfig().learner_syncer_gbps
 MAX_COMMAND_BYTES = 1024
 MAX_LINK = 1_000_000
 UP, DOWN = "up", "down"  # learner -> syncer, syncer -> learner
-LEARNER_IDENTITY = re.compile(rb"L(\d{1,6})")
 T = TypeVar("T")
 
 
@@ -240,12 +240,6 @@ class LinkShaper(Generic[T]):
         return sum(len(frames) for frames in self.queues.values())
 
 
-def learner_of(ident: bytes) -> int | None:
-    """The learner a zmq identity (``b"L3"``) stands for; None for anything else."""
-    match = LEARNER_IDENTITY.fullmatch(ident)
-    return int(match.group(1)) if match else None
-
-
 Queued = tuple[Socket, list[bytes]]
 
 
@@ -254,17 +248,31 @@ class FaultProxy:
     links as the chaos plan says."""
 
     def __init__(
-        self, listen: str, target: str, faults: Faults, seed: int = 0, gbps: float = DEFAULT_GBPS
+        self,
+        listen: str,
+        target: str,
+        faults: Faults,
+        seed: int = 0,
+        gbps: float = DEFAULT_GBPS,
+        *,
+        run: str,
+        secret: bytes,
     ) -> None:
         self.faults = faults
         self.target = target
+        self.run_id = run
+        self.secret = secret
         self.rng = random.Random(seed)
-        self.ctx: zmq.Context[Socket] = zmq.Context.instance()
+        self.ctx: zmq.Context[Socket] = zmq.Context()
+        self.gate = Gatekeeper(self.ctx, secret, run, lambda n: learner_of(n) is not None)
+        self.gate.start()  # before the bind: no handshake goes unchecked
         self.front = self.ctx.socket(zmq.ROUTER)
         self.front.setsockopt(zmq.LINGER, 0)
-        self.front.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        serve_plain(self.front)
         self.front.bind(f"tcp://{listen}")
-        self.backs: dict[bytes, Socket] = {}
+        self.routes: dict[int, bytes] = {}  # learner -> its connection to our front
+        self.backs: dict[int, Socket] = {}
+        self.back_learner: dict[Socket, int] = {}
         self.poller = zmq.Poller()
         self.poller.register(self.front, zmq.POLLIN)
         self.delayed: list[tuple[float, int, Socket, list[bytes], int | None, str]] = []
@@ -274,14 +282,15 @@ class FaultProxy:
         self.commands: queue.SimpleQueue[LinkCommand | str] = queue.SimpleQueue()
         self.stop = threading.Event()
 
-    def _back(self, ident: bytes) -> Socket:
-        sock = self.backs.get(ident)
+    def _back(self, learner: int) -> Socket:
+        sock = self.backs.get(learner)
         if sock is None:
             sock = self.ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.IDENTITY, ident)
+            present(sock, self.secret, self.run_id, f"L{learner}")
             sock.connect(f"tcp://{self.target}")
-            self.backs[ident] = sock
+            self.backs[learner] = sock
+            self.back_learner[sock] = learner
             self.poller.register(sock, zmq.POLLIN)
         return sock
 
@@ -373,16 +382,21 @@ class FaultProxy:
             for sock, _ in self.poller.poll(10):
                 while True:
                     try:
-                        frames = sock.recv_multipart(zmq.NOBLOCK)
+                        raw = sock.recv_multipart(zmq.NOBLOCK, copy=False)
                     except zmq.Again:
                         break
-                    if sock is self.front:  # learner -> syncer
-                        learner = learner_of(frames[0])
-                        self._forward(self._back(frames[0]), frames[1:], learner, UP)
+                    frames = [f.bytes for f in raw]
+                    if sock is self.front:  # learner -> syncer, as its handshake says
+                        learner = learner_of(raw[-1].get("User-Id"))
+                        if learner is None or len(frames) < 2:
+                            continue
+                        self.routes[learner] = frames[0]
+                        self._forward(self._back(learner), frames[1:], learner, UP)
                     else:  # syncer -> learner
-                        ident = sock.getsockopt(zmq.IDENTITY)
-                        assert isinstance(ident, bytes)
-                        self._forward(self.front, [ident, *frames], learner_of(ident), DOWN)
+                        learner = self.back_learner[sock]
+                        route = self.routes.get(learner)
+                        if route is not None:
+                            self._forward(self.front, [route, *frames], learner, DOWN)
             self._apply_commands()
             now = time.monotonic()
             while self.delayed and self.delayed[0][0] <= now:
@@ -392,6 +406,7 @@ class FaultProxy:
                 self._send(sock, parts)
         for sock in (self.front, *self.backs.values()):
             sock.close(0)
+        self.gate.close()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -399,6 +414,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--listen", required=True, help="HOST:PORT learners connect to")
     parser.add_argument("--target", required=True, help="HOST:PORT of the syncer")
     parser.add_argument("--faults", default="", help="e.g. drop=0.02,corrupt=0.01,delay=0.05")
+    parser.add_argument("--run-id", required=True, help="the run's id (credentials bind it)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--gbps", type=float, default=DEFAULT_GBPS,
                         help="a learner link's nominal Gbit/s (link_slow divides it)")  # fmt: skip
@@ -407,7 +423,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(message)s")  # fmt: skip
-    proxy = FaultProxy(args.listen, args.target, Faults.parse(args.faults), args.seed, args.gbps)
+    proxy = FaultProxy(args.listen, args.target, Faults.parse(args.faults), args.seed, args.gbps,
+                       run=args.run_id, secret=load_secret(None))  # fmt: skip
     signal.signal(signal.SIGTERM, lambda *_: proxy.stop.set())
     if args.control:
         threading.Thread(target=proxy.read_commands, args=(sys.stdin.buffer,),

@@ -78,12 +78,16 @@ class RunSetup:
         return t.tokens // (t.learners * t.batch_size * self.seq_len)
 
 
-def eval_loss(setup: RunSetup, fragments: list[list[torch.Tensor]]) -> float:
-    """Eval loss of the global parameters (DESIGN decision 6), in the setup's own model."""
-    params = dict(setup.model.named_parameters())
+def eval_loss(
+    setup: RunSetup, fragments: list[list[torch.Tensor]], model: nn.Module | None = None
+) -> float:
+    """Eval loss of the global parameters (DESIGN decision 6), in the setup's own model or
+    in ``model`` (a copy of it: an evaluation on another thread)."""
+    model = setup.model if model is None else model
+    params = dict(model.named_parameters())
     for p, values in enumerate(fragments):
         scatter(setup.plan, p, params, values)
-    return evaluate(setup.model, setup.eval_batches)
+    return evaluate(model, setup.eval_batches)
 
 
 class TolerantLedger(TokenLedger):

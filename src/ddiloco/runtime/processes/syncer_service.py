@@ -3,9 +3,19 @@
 Owns only the I/O around the core: decoding authenticated frames, feeding the core progress,
 answers and ``now``, persisting every merge (:mod:`.store`) *before* broadcasting it, asking
 learners, noticing dead ones (no message for ``detect_seconds``), restoring after a restart,
-evaluating the global model and printing events for the launcher. Every rule (rounds,
-quorum, grace, staleness, weights, RDA, outer step, ledger) is the core's. One thread, one
-socket: nothing here waits on a learner.
+evaluating the global model (on a thread of its own: :mod:`.evaluator`) and printing events
+for the launcher. Every rule (rounds, quorum, grace, staleness, weights, RDA, outer step,
+ledger) is the core's. One thread, one socket: nothing here waits on a learner.
+
+Who may talk (docs/security.md): the socket is a PLAIN server behind a :class:`Gatekeeper`,
+so only a holder of the run secret completes a handshake, as the learner its credentials
+name; a frame is then decoded only if the frame's sender is that learner, and a learner's
+route is the connection its latest authenticated frame came on (no routing id can be taken
+over). Every frame names the receiver's session (``to``): one addressed to an earlier syncer
+life (or a first hello, which knows none) gets a ``rehello`` carrying this life's session,
+and nothing else happens, so a frame captured before a restart is never acted on. Every
+handler's metadata is checked by :mod:`.messages` first; a malformed message is refused,
+counted and logged (rate-limited), never an exception out of the loop.
 
 Learner -> syncer: hello, peers, progress, answer, bye. Syncer -> learner: welcome, peers,
 rehello (it does not know this learner life: say hello again and re-push), ask, fragment
@@ -31,18 +41,40 @@ from ddiloco.core.codec import encode_tensors
 from ddiloco.core.ledger import CRASH, LEFT
 from ddiloco.core.rounds import UNSOLICITED, AnswerMeta, Verdict
 from ddiloco.core.syncer_state import MergeResult, SyncerState
-from ddiloco.errors import ConfigError
+from ddiloco.errors import ConfigError, DDiLoCoError
+from ddiloco.runtime.processes import messages
+from ddiloco.runtime.processes.auth import Gatekeeper, learner_of, serve_plain
 from ddiloco.runtime.processes.common import Events, Socket, configure, new_session
+from ddiloco.runtime.processes.evaluator import Evaluator
+from ddiloco.runtime.processes.ratelog import RateLimitedLog
 from ddiloco.runtime.processes.setup import RunSetup, TolerantLedger, eval_loss
 from ddiloco.runtime.processes.shm import writer_for
-from ddiloco.runtime.processes.store import SyncerStore, journal_header, record_of, restore
+from ddiloco.runtime.processes.store import (
+    SyncerStore,
+    fingerprint_of,
+    journal_header,
+    record_of,
+    restore,
+)
 from ddiloco.runtime.processes.wire import Limits, Wire, WireError, decode_update, payload_size
 
 log = logging.getLogger(__name__)
 
-ANSWER_FIELDS = ("learner", "incarnation", "seq", "fragment", "round_id", "base_version",
-                 "local_step", "c_steps", "c_tokens")  # fmt: skip
 BEAT_SECONDS = 0.5
+REHELLO_SECONDS = 0.25  # at most one rehello per learner this often
+
+
+MONITORED_NAMES: dict[int, str] = {
+    int(zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL): "handshake_failed_protocol",  # no credentials
+    int(zmq.EVENT_HANDSHAKE_FAILED_AUTH): "handshake_failed_auth",  # the gatekeeper said no
+    int(zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL): "handshake_failed",
+    int(zmq.EVENT_DISCONNECTED): "disconnected",
+}
+MONITORED = sum(MONITORED_NAMES)
+
+
+class FatalError(DDiLoCoError):
+    """The syncer cannot go on, and a restart would not help (the launcher gives up)."""
 
 
 class SyncerService:
@@ -76,7 +108,8 @@ class SyncerService:
             ledger=self.ledger,
         )
         self.shapes = [[tuple(t.shape) for t in frag] for frag in self.syncer.fragments]
-        self.store = SyncerStore(store_dir, journal=journal)
+        self.store = SyncerStore(store_dir, journal=journal, fingerprint=fingerprint_of(setup),
+                                 fragments=self.plan.num_fragments)  # fmt: skip
         self.applied: dict[int, list[tuple[int, int, int]]] = defaultdict(list)
         self.tokens = 0
         records = self.store.load()
@@ -98,11 +131,19 @@ class SyncerService:
                          self.config.processes.shared_memory)  # fmt: skip
         self.wire = Wire(run_id, secret, "S", session, self.limits, shm=shm)
         self.ctx: zmq.Context[Socket] = zmq.Context()
+        self.gate = Gatekeeper(self.ctx, secret, run_id, self.is_member)
+        self.gate.start()  # before the bind: no handshake goes unchecked
         self.sock = self.ctx.socket(zmq.ROUTER)
         configure(self.sock, self.limits)
+        serve_plain(self.sock)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self.sock.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        self.monitor = self.sock.get_monitor_socket(MONITORED)  # refusals inside libzmq
         self.sock.bind(f"tcp://{bind}")
+        self.routes: dict[int, bytes] = {}  # learner -> its authenticated connection
+        self.sessions: dict[int, int] = {}  # learner -> the session its frames come from
+        self.rehellos: dict[int, float] = {}  # learner -> when it was last told to rehello
+        self.say = RateLimitedLog(log)
+        self.evaluator = Evaluator(setup, events)
         self.lives: dict[int, int] = {}  # learner -> incarnation it registered with
         self.addresses: dict[int, str] = {}  # learner -> peer-recovery address
         self.last_heard: dict[int, float] = {}
@@ -144,6 +185,7 @@ class SyncerService:
             now = self.events.now()
             if now - self.last_beat >= BEAT_SECONDS:
                 self.last_beat = now
+                self.count_handshakes()
                 self.check_liveness(now)
                 self.store.save_ledger(self.ledger.to_state())  # narrows what a crash loses
                 for m in list(self.lives):
@@ -152,45 +194,105 @@ class SyncerService:
                 self.evaluate()
         return self.finish()
 
+    def count_handshakes(self) -> None:
+        """Count (and say, rate-limited) the connections libzmq refused before any message:
+        a peer without credentials fails the handshake there, before the gatekeeper."""
+        from zmq.utils.monitor import recv_monitor_message
+
+        while self.monitor.poll(0):
+            event = recv_monitor_message(self.monitor)
+            name = MONITORED_NAMES.get(int(event["event"]), "handshake_failed")
+            self.counts[name] += 1
+            if name != "disconnected":
+                self.say(name, "syncer: refused a connection: %s (%s)", name, event["value"])
+
+    def is_member(self, name: str) -> bool:
+        """Which names may connect: the run's learner slots."""
+        m = learner_of(name)
+        return m is not None and m < self.setup.slots
+
+    def refuse(self, reason: str, m: int | None, why: str) -> None:
+        """Count one refused message and say why (rate-limited: a flood stays one line)."""
+        self.counts[reason] += 1
+        self.say(reason, "syncer: refused a message from %s: %s (%s)",
+                 "?" if m is None else f"learner {m}", why, reason)  # fmt: skip
+
     def handle(self, frames: list[zmq.Frame]) -> None:
-        if len(frames) < 2:
-            self.counts["refused_parts"] += 1
+        """One received message: who sent it (from the handshake), then the wire's checks,
+        then its handler. Never raises."""
+        user = str(frames[-1].get("User-Id")) if len(frames) > 1 else None
+        m = learner_of(user)
+        if m is None or not 0 <= m < self.setup.slots:  # the gatekeeper admits no such peer
+            self.refuse("refused_identity", None, f"connection authenticated as {user!r}")
             return
+        if len(frames) != 4:  # routing id + a frame's three parts
+            self.refuse("refused_parts", m, f"{len(frames) - 1} parts, a frame has 3")
+            return
+        ident = frames[0].bytes
         try:
             msg = self.wire.decode([f.buffer for f in frames[1:]])
-        except WireError as exc:  # logged and counted by the wire
-            ident = frames[0].bytes
-            if exc.reason == "shm_missing" and ident[:1] == b"L" and ident[1:].isdigit():
-                self.send(int(ident[1:]), "no_shm")  # it cannot reach us through /dev/shm
+        except WireError as exc:  # logged (rate-limited) and counted by the wire
+            if exc.reason == "shm_missing":  # it cannot reach us through /dev/shm
+                self._send_to(ident, "no_shm", learner=m)
             return
         h = msg.header
-        if frames[0].bytes != f"L{h.learner}".encode() or h.sender != f"L{h.learner}":
-            self.counts["refused_identity"] += 1
-            log.warning("syncer: frame from %r claims learner %d", frames[0].bytes, h.learner)
+        if h.sender != user or h.learner != m:
+            self.refuse("refused_identity", m, f"a frame of {h.sender!r} on {user}'s connection")
             return
-        if not 0 <= h.learner < self.setup.slots:
-            self.counts["refused_learner"] += 1
+        self.routes[m] = ident  # an authenticated, fresh frame: this is m's connection now
+        self.sessions[m] = h.session
+        if h.to != self.wire.session:  # for an earlier life of ours, or a first hello
+            now = time.monotonic()
+            if now - self.rehellos.get(m, -math.inf) >= REHELLO_SECONDS:
+                self.rehellos[m] = now
+                self.send(m, "rehello")
+            self.counts["rehello"] += 1
             return
-        self.last_heard[h.learner] = self.events.now()
+        self.last_heard[m] = self.events.now()
+        self.dispatch(m, h.kind, h.meta, msg.payload)
+
+    def dispatch(self, m: int, kind: str, meta: dict[str, Any], payload: memoryview) -> None:
+        """Run the handler of an authenticated message from learner ``m``; a malformed one
+        is refused, counted and logged. Only a :class:`FatalError` gets out."""
+        handler = self.handlers.get(kind)
+        if handler is None:
+            self.refuse("refused_kind", m, f"unknown message kind {kind[:32]!r}")
+            return
         try:
-            handler = getattr(self, f"on_{h.kind}", None)
-            if handler is None:
-                raise ConfigError("kind", h.kind, "unknown message kind")
-            handler(h.learner, h.meta, msg.payload)
-        except (ConfigError, KeyError, TypeError) as exc:
-            self.counts["refused_meta"] += 1
-            log.warning("syncer: refused %s from learner %d: %s", h.kind, h.learner, exc)
+            handler(m, meta, payload)
+        except FatalError:
+            raise
+        except DDiLoCoError as exc:  # malformed metadata, by the messages' checks
+            self.refuse("refused_meta", m, f"{kind}: {exc}")
+        except Exception as exc:
+            self.refuse("handler_error", m, f"{kind}: {type(exc).__name__}: {exc}")
+            log.debug("syncer: handler error", exc_info=True)
+
+    @property
+    def handlers(self) -> dict[str, Any]:
+        return {"hello": self.on_hello, "inline": self.on_inline, "peers": self.on_peers,
+                "progress": self.on_progress, "answer": self.on_answer,
+                "bye": self.on_bye}  # fmt: skip
 
     # -- messages ---------------------------------------------------------------------------
     def on_hello(self, m: int, meta: dict[str, Any], _: memoryview) -> None:
-        inc, step, versions = int(meta["inc"]), int(meta["step"]), list(meta["versions"])
+        hello = messages.hello(meta, self.plan.num_fragments)
+        inc, step, versions = hello.incarnation, hello.step, hello.versions
+        if inc != self.sessions.get(m):
+            raise ConfigError("meta.inc", inc, "is not the session this learner signs with")
+        if not self.restored and max(versions, default=0) > 0 and not any(self.syncer.versions):
+            raise FatalError("store", str(self.store.dir),
+                             f"learner {m} holds fragment versions up to {max(versions)} but "
+                             "this syncer's store is empty: it was started with another "
+                             "--store (or its store was lost). Restore the store, or start "
+                             "the whole run again")  # fmt: skip
         now = self.events.now()
         self.ledger.joined(m, inc, step, versions)  # a new life: what the old one held is lost
         self.account_uptime(now)
         if m in self.down_since:
             self.down_seconds += now - self.down_since.pop(m)
         self.lives[m] = inc
-        self.addresses[m] = str(meta.get("peer", ""))
+        self.addresses[m] = hello.peer
         asks = self.syncer.policy.join(m, step)
         self.send(m, "welcome", meta={"global_step": self.syncer.policy.global_step,
                                       "versions": list(self.syncer.versions)})  # fmt: skip
@@ -213,19 +315,19 @@ class SyncerService:
         self.send(m, "peers", meta={"peers": peers})
 
     def on_progress(self, m: int, meta: dict[str, Any], _: memoryview) -> None:
-        if m not in self.syncer.policy.progress or self.lives.get(m) != meta["inc"]:
+        report = messages.progress(meta, self.plan.num_fragments)
+        if m not in self.syncer.policy.progress or self.lives.get(m) != report.incarnation:
             self.send(m, "rehello")
             return
-        rebased = [int(p) for p in meta.get("rebased", [])]
-        self.tokens += self.ledger.reported(m, int(meta["step"]), int(meta["tokens"]), rebased,
+        self.tokens += self.ledger.reported(m, report.step, report.tokens, report.rebased,
                                             self.syncer.versions)  # fmt: skip
         now = self.events.now()
-        for rnd in self.syncer.on_progress(m, int(meta["step"]), now, float(meta["secs"])):
+        for rnd in self.syncer.on_progress(m, report.step, now, report.seconds):
             for a in sorted(rnd.asked):
                 self.send(a, "ask", fragment=rnd.fragment, round=rnd.round_id)
 
     def on_answer(self, m: int, meta: dict[str, Any], payload: memoryview) -> None:
-        answer = AnswerMeta(**{k: int(meta[k]) for k in ANSWER_FIELDS})
+        answer = messages.answer(meta, self.plan.num_fragments)
         if answer.learner != m or self.lives.get(m) != answer.incarnation:
             self.send(m, "rehello")  # from a life this syncer has not registered: re-push later
             return
@@ -328,9 +430,18 @@ class SyncerService:
         return len(payload)
 
     def send(self, m: int, kind: str, **kw: Any) -> None:
-        parts = self.wire.encode(kind, learner=m, inline=m in self.inline, **kw)
+        """To learner ``m``'s latest authenticated connection, addressed to its session."""
+        route = self.routes.get(m)
+        if route is None:
+            self.counts["send_unrouted"] += 1
+            return
+        self._send_to(route, kind, learner=m, inline=m in self.inline,
+                      to=self.sessions.get(m, 0), **kw)  # fmt: skip
+
+    def _send_to(self, route: bytes, kind: str, **kw: Any) -> None:
+        parts = self.wire.encode(kind, **kw)
         try:
-            self.sock.send_multipart([f"L{m}".encode(), *parts], zmq.NOBLOCK, copy=False)
+            self.sock.send_multipart([route, *parts], zmq.NOBLOCK, copy=False)
             self.bytes_sent += payload_size(parts)
         except (zmq.Again, zmq.ZMQError):  # unreachable or its queue is full (frozen)
             self.counts["send_dropped"] += 1
@@ -354,18 +465,21 @@ class SyncerService:
         if self.first_join is None:
             self.first_join = now
 
-    def evaluate(self) -> float:
-        loss = eval_loss(self.setup, self.syncer.fragments)
-        self.events("eval", tokens=self.tokens, loss=loss)
+    def evaluate(self) -> None:
+        """Start an evaluation of the global model on the evaluator's thread (skipped and
+        counted while the previous one still runs)."""
+        self.evaluator.submit(self.syncer.fragments, self.tokens)
         self.next_eval = self.tokens + self.config.train.eval_every
-        return loss
 
     def finish(self) -> dict[str, Any]:
+        self.count_handshakes()
         now = self.events.now()
         self.account_uptime(now)
         for m in list(self.lives):
             self.send(m, "stop")
-        final = self.evaluate()
+        self.evaluator.wait()  # the run's result is evaluated last, here
+        final = eval_loss(self.setup, self.syncer.fragments)
+        self.events("eval", tokens=self.tokens, loss=final)
         for m in sorted({*self.down_since, *self.ledger.absent()}):  # given up, or not back after
             self.ledger.crashed(m, CRASH)  # a syncer restart: what it held died with it
         self.ledger.close()
@@ -392,6 +506,8 @@ class SyncerService:
             "answers": dict(sorted(self.syncer.counts.items())),
             "refused": dict(sorted(self.wire.refused.items())),
             "service": dict(sorted(self.counts.items())),
+            "gatekeeper": dict(sorted(self.gate.counts.items())),
+            "evaluations": self.evaluator.summary(),
             "store_writes": self.store.writes,
             "versions": list(self.syncer.versions),
         }
@@ -400,7 +516,10 @@ class SyncerService:
             time.sleep(0.1)
             for m in list(self.lives):
                 self.send(m, "stop")
+        self.sock.disable_monitor()
+        self.monitor.close(0)
         self.sock.close(0)
+        self.gate.close()
         self.ctx.term()
         self.wire.close()
         return summary

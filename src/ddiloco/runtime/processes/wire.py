@@ -44,20 +44,23 @@ from blake3 import blake3
 
 from ddiloco.core.codec import decode_tensors
 from ddiloco.errors import CodecError, DDiLoCoError
+from ddiloco.runtime.processes.ratelog import RateLimitedLog
 from ddiloco.runtime.processes.shm import ShmExpired, ShmMissing, ShmReader, ShmWriter
 
 log = logging.getLogger(__name__)
 
 MAGIC = b"DDWF"
-VERSION = 2
+VERSION = 3  # 3: the header names the receiver's session ("to")
 FLAG_SHM = 1  # the payload part is a reference to a shared-memory slot (shm.py)
 PREFIX = struct.Struct("<4sBBHIQ")  # magic, version, flags, reserved, header_len, payload_len
 TRAILER = struct.Struct("<32s32s")  # BLAKE3 digest of head + payload, HMAC-SHA256 of it
 MAX_REF = 256  # bytes of a shared-memory reference
 PARALLEL_HASH_BYTES = 4 << 20  # payloads this large are hashed on several threads, where
 PARALLEL_HASH_CPUS = 8  # there are this many cores (on fewer, the other end needs them)
-SECRET_MIN_BYTES = 16
+SECRET_MIN_BYTES = 32  # 256 bits, as the launcher generates
 REPLAY_WINDOW = 4096  # sequence numbers remembered per sender session
+RETIRED_SESSIONS = 256  # earlier sessions remembered per sender (their frames are replays)
+MAX_COUNTER = (1 << 63) - 1  # sessions and sequence numbers are non-negative int64
 
 Part = bytes | bytearray | memoryview
 
@@ -95,6 +98,7 @@ class Header:
     round: int
     seq: int
     meta: dict[str, Any] = field(default_factory=dict)
+    to: int = 0  # the receiver's session this frame is for (0: not known yet, a first hello)
 
 
 @dataclass(frozen=True)
@@ -115,25 +119,37 @@ def _as_view(part: Part) -> memoryview:
 
 
 class ReplayWindow:
-    """Per sender: its latest session and the sequence numbers seen in it.
+    """Per sender: its current session, the sequence numbers seen in it, and the sessions
+    it had before.
 
-    A frame from an older session, a sequence number already seen, or one that fell behind
-    the window is refused. Frames may arrive out of order inside the window.
+    Sessions are random numbers, not clock readings (a host whose clock is behind must not
+    be locked out), so they have no order: a session never seen from this sender starts its
+    new life, and the one before is retired; a frame of a retired session, a sequence number
+    already seen, or one that fell behind the window is refused. Frames may arrive out of
+    order inside the window. A restarted receiver remembers nothing: the services bind every
+    frame to the receiver's own session (``Header.to``), so frames captured before a restart
+    are refused by the next life anyway.
     """
 
     def __init__(self, size: int = REPLAY_WINDOW) -> None:
         self.size = size
         self._senders: dict[str, tuple[int, int, set[int]]] = {}  # session, highest, seen
+        self._retired: dict[str, dict[int, None]] = {}  # sender -> earlier sessions, in order
 
     def check(self, sender: str, session: int, seq: int) -> None:
         """Raise :class:`WireError` for a replay, else record ``seq``."""
         known = self._senders.get(sender)
-        if known is None or session > known[0]:
+        retired = self._retired.setdefault(sender, {})
+        if session in retired:
+            raise WireError("session", session, f"an earlier session of {sender}", "replay")
+        if known is None or session != known[0]:
+            if known is not None:
+                retired[known[0]] = None
+                while len(retired) > RETIRED_SESSIONS:
+                    del retired[next(iter(retired))]
             self._senders[sender] = (session, seq, {seq})
             return
         current, highest, seen = known
-        if session < current:
-            raise WireError("session", session, f"{sender} is in session {current}", "replay")
         if seq in seen or seq <= highest - self.size:
             raise WireError("seq", seq, f"already seen from {sender} (duplicate)", "replay")
         seen.add(seq)
@@ -145,6 +161,7 @@ class ReplayWindow:
 
     def forget(self, sender: str) -> None:
         self._senders.pop(sender, None)
+        self._retired.pop(sender, None)
 
 
 class Wire:
@@ -177,6 +194,12 @@ class Wire:
         self._seq = 0
         self._lock = threading.Lock()
         self._last: tuple[bytes, bytes] | None = None  # (payload, digest): one broadcast
+        self._say = RateLimitedLog(log)
+
+    @property
+    def secret(self) -> bytes:
+        """The run secret (the connection credentials derive from it: auth.py)."""
+        return self._secret
 
     # -- sending ----------------------------------------------------------------------------
     def encode(
@@ -190,10 +213,12 @@ class Wire:
         payload: Part = b"",
         inline: bool = False,
         busy: frozenset[bytes] = frozenset(),
+        to: int = 0,
     ) -> list[Part]:
         """One frame as its three parts (head, payload, trailer), with the next sequence;
         ``inline`` keeps the payload in the frame (a receiver that cannot see our slots);
-        ``busy``: shared-memory references not to overwrite (see :meth:`ShmWriter.put`)."""
+        ``busy``: shared-memory references not to overwrite (see :meth:`ShmWriter.put`);
+        ``to``: the receiver's session (its frames say theirs), 0 when not known yet."""
         body = _as_view(payload)
         with self._lock:
             seq = self._seq
@@ -218,6 +243,7 @@ class Wire:
                 "r": round,
                 "q": seq,
                 "m": meta or {},
+                "to": to,
             },
             use_bin_type=True,
         )
@@ -245,7 +271,7 @@ class Wire:
         except WireError as exc:
             self.refused[exc.reason] += 1
             level = logging.INFO if exc.reason == "expired" else logging.WARNING  # (a race)
-            log.log(level, "wire: refused frame: %s (%s)", exc, exc.reason)
+            self._say(exc.reason, "wire: refused frame: %s (%s)", exc, exc.reason, level=level)
             raise
 
     def _decode(self, parts: Sequence[Part], replay: bool) -> Message:
@@ -335,7 +361,9 @@ _FIELDS: dict[str, tuple[str, type]] = {
     "r": ("round", int),
     "q": ("seq", int),
     "m": ("meta", dict),
+    "to": ("to", int),
 }
+META_DEPTH = 4  # meta values nest at most this deep (lists of lists of ints, at most)
 
 
 def _header(raw: memoryview, limits: Limits) -> Header:
@@ -352,9 +380,21 @@ def _header(raw: memoryview, limits: Limits) -> Header:
         if not isinstance(value, kind) or isinstance(value, bool):
             raise WireError(f"header.{name}", value, f"expected {kind.__name__}", "header")
         values[name] = value
-    if values["seq"] < 0 or values["session"] < 0:
-        raise WireError("header.seq", values["seq"], "must be >= 0", "header")
+    for name in ("seq", "session", "to"):
+        if not 0 <= values[name] <= MAX_COUNTER:
+            raise WireError(f"header.{name}", values[name], f"must be in [0, {MAX_COUNTER}]",
+                            "header")  # fmt: skip
+    if _depth(values["meta"]) > META_DEPTH:
+        raise WireError("header.meta", "...", f"nested deeper than {META_DEPTH}", "header")
     return Header(**values)
+
+
+def _depth(value: Any, level: int = 0) -> int:
+    """How deep ``value`` nests (stops counting past META_DEPTH: never recurses far)."""
+    if level > META_DEPTH or not isinstance(value, dict | list):
+        return level
+    items = value.values() if isinstance(value, dict) else value
+    return max((_depth(v, level + 1) for v in items), default=level + 1)
 
 
 def decode_update(

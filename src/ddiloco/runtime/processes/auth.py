@@ -1,0 +1,267 @@
+"""Connection authentication: nobody reaches a ddiloco socket without the run's secret.
+
+Every listening socket of a run (the syncer's, each learner's snapshot server, the fault
+proxy's front) is a ZMTP PLAIN server whose handshakes a :class:`Gatekeeper` checks (the ZAP
+handler of its zmq context) *before* libzmq routes, buffers or delivers a single message:
+the username names who connects (``L3``: learner 3), the password is
+HMAC-SHA256(secret, "ddiloco-connect-v1" | run id | username). A peer without them never
+completes the handshake, so it can send nothing (no frame to hash, no multipart message to
+grow, no routing id to take over) and libzmq closes its connection. Every message that does
+arrive carries the authenticated name as its ``User-Id`` property, so the syncer learns
+which learner a connection belongs to from the handshake, never from what the peer says.
+
+Why PLAIN + ZAP and not CurveZMQ (docs/decisions.md 36): CURVE encrypts every byte (about
+0.25 GB/s per core here), which would cost the bulk path most of its throughput; frames are
+already authenticated one by one with HMAC-SHA256 (wire.py). PLAIN's password crosses the
+wire in clear: it keeps out anyone who can only *connect* (the attacks we measured), not an
+eavesdropper on the path, who could replay it to connect (but still cannot forge a frame).
+Across untrusted networks, run the links inside WireGuard or TLS (docs/security.md).
+
+The gatekeeper bounds what handshakes may cost: a token bucket per source address, and an
+address that keeps failing is refused outright for a while. Every refusal is counted;
+logging is rate-limited (one line per reason per few seconds, with the count suppressed).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import logging
+import re
+import threading
+import time
+from collections import Counter, OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import zmq
+
+from ddiloco.runtime.processes.ratelog import RateLimitedLog
+
+log = logging.getLogger(__name__)
+
+ZAP_ENDPOINT = "inproc://zeromq.zap.01"
+DOMAIN = b"ddiloco"
+LABEL = b"ddiloco-connect-v1"
+LEARNER_NAME = re.compile(r"L(\d{1,6})")
+MAX_ADDRESSES = 4096  # source addresses remembered by the rate limiter (oldest forgotten)
+
+
+def credential(secret: bytes, run: str, name: str) -> bytes:
+    """The password ``name`` presents when connecting to a socket of run ``run``."""
+    mac = hmac.new(secret, LABEL + b"|" + run.encode() + b"|" + name.encode(), "sha256")
+    return mac.hexdigest().encode("ascii")
+
+
+def present(sock: zmq.Socket[bytes], secret: bytes, run: str, name: str) -> None:
+    """Make a connecting socket present ``name``'s credentials (before ``connect``)."""
+    sock.plain_username = name.encode()
+    sock.plain_password = credential(secret, run, name)
+
+
+def learner_of(user: str | None) -> int | None:
+    """The learner an authenticated name (``"L3"``) stands for; None for anything else."""
+    match = LEARNER_NAME.fullmatch(user or "")
+    return int(match.group(1)) if match else None
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """What handshakes from one source address may cost."""
+
+    burst: int = 64  # handshakes at once
+    per_second: float = 16.0  # sustained
+    fail_limit: int = 32  # failures in fail_window seconds before the address is shut out
+    fail_window: float = 60.0
+    ban_seconds: float = 60.0
+
+
+class _Address:
+    __slots__ = ("at", "banned_until", "failures", "tokens")
+
+    def __init__(self, burst: int, now: float) -> None:
+        self.tokens = float(burst)
+        self.at = now
+        self.failures: list[float] = []
+        self.banned_until = 0.0
+
+
+class Gatekeeper(threading.Thread):
+    """The ZAP handler of one zmq context: checks every PLAIN handshake of its servers.
+
+    Call order: construct and :meth:`start` *before* binding any server socket (a PLAIN
+    server whose context has no handler would refuse nobody: ``ZAP_ENFORCE_DOMAIN`` is set
+    too, where libzmq has it), then :func:`serve_plain` each server socket; :meth:`close`
+    after closing them. ``accept(name)`` says which names may connect at all.
+    """
+
+    def __init__(
+        self,
+        ctx: zmq.Context[zmq.Socket[bytes]],
+        secret: bytes,
+        run: str,
+        accept: Callable[[str], bool],
+        bounds: Bounds | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        super().__init__(name="zap-gatekeeper", daemon=True)
+        self.secret = secret
+        self.run_id = run
+        self.accept = accept
+        self.bounds = bounds or Bounds()
+        self.clock = clock
+        self.counts: Counter[str] = Counter()
+        self._addresses: OrderedDict[bytes, _Address] = OrderedDict()
+        self._expected: dict[str, bytes] = {}
+        self._say = RateLimitedLog(log)
+        self._closing = threading.Event()
+        self.sock = ctx.socket(zmq.REP)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.bind(ZAP_ENDPOINT)
+
+    def run(self) -> None:
+        while not self._closing.is_set():
+            try:
+                if not self.sock.poll(100):
+                    continue
+                request = self.sock.recv_multipart()
+            except zmq.ZMQError:
+                return
+            try:
+                self.sock.send_multipart(self.decide(request))
+            except zmq.ZMQError:
+                return
+
+    def close(self) -> None:
+        self._closing.set()
+        self.join(timeout=2.0)
+        self.sock.close(0)
+
+    # -- one handshake ----------------------------------------------------------------------
+    def decide(self, request: list[bytes]) -> list[bytes]:
+        """The ZAP reply to one request (RFC 27): 200 with the user id, or 400."""
+        if len(request) < 6:
+            self.counts["refused_malformed"] += 1
+            return [b"1.0", b"", b"500", b"malformed ZAP request", b"", b""]
+        version, rid, _domain, address, _identity, mechanism, *creds = request
+        status, text, user = self._check(address, mechanism, creds)
+        return [version, rid, status, text.encode(), user.encode(), b""]
+
+    def _check(
+        self, address: bytes, mechanism: bytes, creds: list[bytes]
+    ) -> tuple[bytes, str, str]:
+        now = self.clock()
+        source = self._source(address, now)
+        where = address.decode(errors="replace")[:64]
+        if source.banned_until > now:
+            return self._refuse("banned", where, "", now, source, fail=False)
+        source.tokens = min(
+            self.bounds.burst, source.tokens + (now - source.at) * self.bounds.per_second
+        )
+        source.at = now
+        if source.tokens < 1.0:
+            return self._refuse("handshake_rate", where, "", now, source, fail=False)
+        source.tokens -= 1.0
+        if mechanism != b"PLAIN" or len(creds) != 2:
+            return self._refuse("mechanism", where, mechanism.decode(errors="replace"), now, source)
+        try:
+            name = creds[0].decode("ascii")
+        except UnicodeDecodeError:
+            return self._refuse("unknown_name", where, "<not ascii>", now, source)
+        if len(name) > 32 or not self.accept(name):
+            return self._refuse("unknown_name", where, name[:32], now, source)
+        expected = self._expected.get(name)
+        if expected is None:
+            expected = self._expected[name] = credential(self.secret, self.run_id, name)
+        if not hmac.compare_digest(expected, creds[1]):
+            return self._refuse("bad_credentials", where, name, now, source)
+        self.counts["accepted"] += 1
+        return b"200", "OK", name
+
+    def _refuse(
+        self, reason: str, where: str, name: str, now: float, source: _Address, fail: bool = True
+    ) -> tuple[bytes, str, str]:
+        self.counts[f"refused_{reason}"] += 1
+        if fail:
+            window = now - self.bounds.fail_window
+            source.failures = [t for t in source.failures if t > window] + [now]
+            if len(source.failures) >= self.bounds.fail_limit:
+                source.banned_until = now + self.bounds.ban_seconds
+                source.failures.clear()
+                self._say("ban", "refused connections from %s for %.0fs: %d failed handshakes",
+                          where, self.bounds.ban_seconds, self.bounds.fail_limit)  # fmt: skip
+        why = {
+            "bad_credentials": "wrong secret or run id",
+            "unknown_name": "not a member of this run",
+            "mechanism": "no ddiloco credentials (PLAIN) presented",
+            "handshake_rate": "too many handshakes",
+            "banned": "address shut out after repeated failures",
+        }[reason]
+        self._say(reason, "refused a connection from %s (%s): %s", where, name or "-", why)
+        return b"400", why, ""
+
+    def _source(self, address: bytes, now: float) -> _Address:
+        source = self._addresses.get(address)
+        if source is None:
+            source = self._addresses[address] = _Address(self.bounds.burst, now)
+            while len(self._addresses) > MAX_ADDRESSES:
+                self._addresses.popitem(last=False)
+        else:
+            self._addresses.move_to_end(address)
+        return source
+
+
+def serve_plain(sock: zmq.Socket[bytes]) -> None:
+    """Make a (not yet bound) socket a PLAIN server whose handshakes the gatekeeper checks."""
+    sock.plain_server = True
+    sock.zap_domain = DOMAIN
+    enforce = getattr(zmq, "ZAP_ENFORCE_DOMAIN", None)
+    if enforce is not None:
+        with contextlib.suppress(zmq.ZMQError):  # a libzmq built without draft options
+            sock.setsockopt(enforce, 1)
+
+
+WATCHED = (
+    zmq.EVENT_HANDSHAKE_SUCCEEDED
+    | zmq.EVENT_HANDSHAKE_FAILED_AUTH
+    | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+    | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+)
+
+
+class HandshakeWatch:
+    """Tells a connecting socket's owner, within milliseconds, why its handshakes fail.
+
+    libzmq retries a refused connection quietly for ever; a learner must instead stop and say
+    that the server refused its credentials (wrong secret or run id) or does not speak
+    ddiloco's protocol. Poll it from the thread that owns the socket.
+    """
+
+    def __init__(self, sock: zmq.Socket[bytes], address: str) -> None:
+        self.address = address
+        self.sock = sock
+        self.mon = sock.get_monitor_socket(WATCHED)
+        self.succeeded = False
+
+    def poll(self) -> str | None:
+        """A failure's description (the connection is refused for good), else None."""
+        from zmq.utils.monitor import recv_monitor_message
+
+        while self.mon.poll(0):
+            event = recv_monitor_message(self.mon)
+            kind = event["event"]
+            if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self.succeeded = True
+            elif kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                return (f"{self.address} refused our credentials (ZAP status "
+                        f"{event['value']}): wrong secret or run id")  # fmt: skip
+            elif not self.succeeded:  # a protocol failure once connected: a glitch, retried
+                return (f"{self.address} does not speak ddiloco's protocol (handshake "
+                        f"failed: {event['event']!s}); is it a ddiloco syncer of this "
+                        "version?")  # fmt: skip
+        return None
+
+    def close(self) -> None:
+        with contextlib.suppress(zmq.ZMQError):
+            self.sock.disable_monitor()
+        self.mon.close(0)
