@@ -5,7 +5,10 @@ copies, keeps per-peer ordering, reconnects by itself and lets one socket serve 
 learners; both candidates do, and this script measures the cost of each against a raw
 socket in the same run. The receiver runs in a second process (no shared GIL). Each case
 sends ``--count`` messages of ``--mib`` MiB back to back and waits for one reply at the end.
-``zmq+wire`` adds this project's framing (crc32 + HMAC-SHA256 on both sides).
+``zmq+wire`` adds this project's framing (BLAKE3 + HMAC-SHA256 on both sides) over a
+connection authenticated at the handshake (PLAIN credentials checked by the gatekeeper, as
+every ddiloco socket is); ``shm+wire`` is the same-host path. The handshake's own cost is
+measured too: connect, authenticate, one round trip, close, with and without credentials.
 
     .venv/bin/python benchmarks/bench_wire.py --mib 2 --count 200
 (grpcio is optional: ``pip install grpcio``; the case is skipped without it.)
@@ -47,10 +50,15 @@ def serve(kind: str, port: int, count: int) -> None:
     if kind != "grpc":
         import zmq
 
+        from ddiloco.runtime.processes.auth import Gatekeeper, serve_plain
         from ddiloco.runtime.processes.wire import Limits, Wire
 
         ctx = zmq.Context()
+        if kind.endswith("+wire"):
+            Gatekeeper(ctx, SECRET, RUN, lambda name: name == "L0").start()
         sock = ctx.socket(zmq.ROUTER)
+        if kind.endswith("+wire"):
+            serve_plain(sock)
         sock.bind(f"tcp://127.0.0.1:{port}")
         wire = Wire(RUN, SECRET, "S", 1, Limits(max_payload=1 << 30))
         print("ready", flush=True)
@@ -96,11 +104,14 @@ def client(kind: str, port: int, count: int, payloads: list[bytes]) -> float:
     elif kind != "grpc":
         import zmq
 
+        from ddiloco.runtime.processes.auth import present
         from ddiloco.runtime.processes.shm import ShmWriter
         from ddiloco.runtime.processes.wire import Wire
 
         ctx = zmq.Context()
         sock = ctx.socket(zmq.DEALER)
+        if "+wire" in kind:
+            present(sock, SECRET, RUN, "L0")
         sock.connect(f"tcp://127.0.0.1:{port}")
         shm = ShmWriter(RUN, "L0", 1) if kind == "shm+wire" else None
         wire = Wire(RUN, SECRET, "L0", 1, shm=shm)
@@ -130,6 +141,53 @@ def client(kind: str, port: int, count: int, payloads: list[bytes]) -> float:
     return time.perf_counter() - start
 
 
+def handshakes(count: int, authenticated: bool) -> float:
+    """Seconds per connection: connect, (authenticate), one round trip, close."""
+    import threading
+
+    import zmq
+
+    from ddiloco.runtime.processes.auth import Bounds, Gatekeeper, present, serve_plain
+
+    ctx = zmq.Context()
+    unbounded = Bounds(burst=1 << 30, per_second=1e9)  # time the handshake, not its limiter
+    gate = Gatekeeper(ctx, SECRET, RUN, lambda n: n == "L0", unbounded) if authenticated else None
+    if gate is not None:
+        gate.start()
+    server = ctx.socket(zmq.ROUTER)
+    if authenticated:
+        serve_plain(server)
+    port = server.bind_to_random_port("tcp://127.0.0.1")
+    stop = threading.Event()
+
+    def echo() -> None:
+        while not stop.is_set():
+            if server.poll(50):
+                frames = server.recv_multipart()
+                server.send_multipart([frames[0], b"k"])
+
+    thread = threading.Thread(target=echo, daemon=True)
+    thread.start()
+    start = time.perf_counter()
+    for _ in range(count):
+        sock = ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.LINGER, 0)
+        if authenticated:
+            present(sock, SECRET, RUN, "L0")
+        sock.connect(f"tcp://127.0.0.1:{port}")
+        sock.send(b"hi")
+        sock.recv()
+        sock.close(0)
+    seconds = (time.perf_counter() - start) / count
+    stop.set()
+    thread.join()
+    server.close(0)
+    if gate is not None:
+        gate.close()
+    ctx.term()
+    return seconds
+
+
 def measure(kind: str, port: int, count: int, payloads: list[bytes]) -> float | None:
     cmd = [sys.executable, __file__, "--serve", kind, "--port", str(port), "--count", str(count)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
@@ -148,12 +206,18 @@ def main() -> None:
     parser.add_argument("--mib", type=float, default=2.0, help="message size (a fragment)")
     parser.add_argument("--count", type=int, default=100)
     parser.add_argument("--repeat", type=int, default=3, help="rounds over all cases (median)")
+    parser.add_argument("--handshakes", type=int, default=200, help="connections timed")
     parser.add_argument("--serve")
     parser.add_argument("--port", type=int, default=0)
     args = parser.parse_args()
     if args.serve:
         serve(args.serve, args.port, args.count)
         return
+    if args.handshakes:
+        plain = statistics.median(handshakes(args.handshakes, False) for _ in range(3))
+        auth = statistics.median(handshakes(args.handshakes, True) for _ in range(3))
+        print(f"connection + round trip: {plain * 1e3:.2f} ms without credentials, "
+              f"{auth * 1e3:.2f} ms authenticated (+{(auth - plain) * 1e3:.2f} ms)")  # fmt: skip
     payloads = [os.urandom(int(args.mib * (1 << 20))) for _ in range(4)]
     kinds = ["raw", "zmq", "zmq+wire", "shm+wire", "grpc"]
     try:

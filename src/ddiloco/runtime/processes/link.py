@@ -313,6 +313,8 @@ class SyncerLink(threading.Thread):
             self._peers.put(h.meta.get("peers", {}))
         elif h.kind == "stop":
             self.stopped.set()
+        elif h.kind == "refused":
+            self._fail(f"the syncer refused this learner: {str(h.meta.get('why'))[:400]}")
         elif h.kind == "no_shm" and self.wire.shm is not None:
             log.warning("learner %d: the syncer cannot read our /dev/shm; sending inline",
                         self.learner)  # fmt: skip

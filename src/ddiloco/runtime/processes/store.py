@@ -30,99 +30,82 @@ file recorded (never broadcast), and both cuts are noted (``SyncerStore.notes``,
 damage elsewhere is refused. A failed write (a full disk) raises StoreError and leaves the
 previous file, or the journal's previous length. The directory is 0700, every file 0600.
 
-Format (never pickle): b"DDSF" | u32 header length | msgpack header | codec bundle of the
-fragment's tensors then the outer state's tensors | u32 crc32 of everything before it.
-Journal record: u64 n | n-byte body (b"DDSJ" | u32 header length | msgpack header | payloads)
-| u32 crc32 of the body.
+This module is the store's public API (:class:`SyncerStore`, :func:`record_of`,
+:func:`restore`): when each file is written, and what a restart may trust. The bytes are
+:mod:`~ddiloco.runtime.processes.store_format`'s (fragment, ledger and manifest files) and
+:mod:`~ddiloco.runtime.processes.store_journal`'s (the journal, its cuts, the audits); every
+public name of both is importable from here.
 """
 
 from __future__ import annotations
 
 import contextlib
 import errno
-import hashlib
 import json
 import logging
 import os
-import re
 import stat
-import struct
 import zlib
-from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import msgpack
 import torch
 
-from ddiloco.config import RunConfig
-from ddiloco.core.codec import CodecSpec, decode_tensors, encode_tensors
-from ddiloco.core.merge import tensor_norms, token_weight
-from ddiloco.core.outer import make_outer_optimizer
-from ddiloco.core.plans import gather
-from ddiloco.core.syncer_state import MergeResult, SyncerConfig, SyncerState, merge_step
-from ddiloco.errors import ConfigError, DDiLoCoError
-from ddiloco.runtime.processes.setup import RunSetup
+from ddiloco.core.syncer_state import SyncerState
+from ddiloco.errors import ConfigError
 
-MAGIC = b"DDSF"
-JOURNAL_MAGIC = b"DDSJ"
-MANIFEST = "manifest.json"
-MANIFEST_FORMAT = 1
-_HEAD = struct.Struct("<4sI")
-_CRC = struct.Struct("<I")
-_LEN = struct.Struct("<Q")
-_FP32 = CodecSpec("fp32")
-_NAME = re.compile(r"fragment-(\d{4,})\.bin")
+# Re-exported for the damage tests, which forge files with them.
+from ddiloco.runtime.processes.store_format import _CRC as _CRC
+from ddiloco.runtime.processes.store_format import _HEAD as _HEAD
+from ddiloco.runtime.processes.store_format import (
+    _NAME,
+    MAGIC,
+    MANIFEST,
+    MANIFEST_FORMAT,
+    FragmentRecord,
+    Key,
+    StoreError,
+    _canonical,
+    _check_manifest,
+    _fragment_bytes,
+    _fragment_of,
+    _pack,
+    _snapshot,
+    _unpack,
+    fingerprint_of,
+)
+from ddiloco.runtime.processes.store_journal import (
+    JOURNAL_MAGIC,
+    Journal,
+    _journal_bytes,
+    _journal_keep,
+    _scan_journal,
+    journal_header,
+    recompute,
+    replay_journal,
+)
+
+__all__ = [
+    "JOURNAL_MAGIC",
+    "MAGIC",
+    "MANIFEST",
+    "MANIFEST_FORMAT",
+    "FragmentRecord",
+    "Journal",
+    "Key",
+    "StoreError",
+    "SyncerStore",
+    "fingerprint_of",
+    "journal_header",
+    "recompute",
+    "record_of",
+    "replay_journal",
+    "restore",
+    "write_atomic",
+]
 
 log = logging.getLogger(__name__)
-Key = tuple[int, int, int]
-Journal = list[tuple[int, int, dict[str, Any], list[bytes]]]  # (start, end, header, payloads)
-
-
-class StoreError(DDiLoCoError):
-    """A durable file is missing, damaged, foreign or could not be written: the syncer must
-    not start (or go on) from it. A torn write cannot happen; a torn journal tail is cut."""
-
-
-class _Torn(Exception):
-    """What is left of the journal could be a record cut short by a kill."""
-
-
-class _Damaged(Exception):
-    """A journal record no kill could have produced."""
-
-
-@dataclass
-class FragmentRecord:
-    """Everything the syncer must not lose about one fragment."""
-
-    fragment: int
-    version: int
-    next_round_id: int
-    global_step: int
-    tokens: int
-    values: list[torch.Tensor]
-    outer: dict[str, Any]  # the outer optimizer's state_dict: ints, None, lists of tensors
-    applied: list[Key]  # answer keys merged into this fragment
-    merged_base: dict[tuple[int, int], int]  # (learner, incarnation) -> highest merged base
-    ledger: dict[str, Any] | None = None  # the token ledger's plain state, with this merge
-
-
-def fingerprint_of(setup: RunSetup) -> str:
-    """The run's identity for the manifest: a store written for another model, seed, method,
-    plan or outer optimizer holds state this run cannot continue from."""
-    plan, cfg = setup.plan, setup.settings.sync.syncer_config()
-    layout = [
-        [plan.strategy, plan.sync_every, cfg.merge_rule, repr(cfg.outer)],
-        [[s.name, list(s.shape)] for s in plan.specs],
-        [[f.offset, [[s.name, s.rows] for s in f.slices]] for f in plan.fragments],
-    ]
-    digest = hashlib.sha256(json.dumps(layout).encode()).hexdigest()[:16]
-    c = setup.config
-    return (f"model={c.model} seed={c.seed} method={setup.method} "
-            f"fragments={plan.num_fragments} plan={digest}")  # fmt: skip
 
 
 def _os_error(path: Path, exc: OSError, doing: str) -> StoreError:
@@ -165,32 +148,6 @@ def write_atomic(path: Path, data: bytes | bytearray) -> None:
     _fsync_dir(path)
 
 
-def _pack(header: dict[str, Any], tensors: list[torch.Tensor]) -> bytes:
-    head: bytes = msgpack.packb(header, use_bin_type=True)
-    body = _HEAD.pack(MAGIC, len(head)) + head + encode_tensors(tensors, _FP32)
-    return body + _CRC.pack(zlib.crc32(body))
-
-
-def _unpack(data: bytes, where: str) -> tuple[dict[str, Any], list[torch.Tensor]]:
-    if len(data) < _HEAD.size + _CRC.size:
-        raise StoreError(where, len(data), "too short to be a syncer state file")
-    (crc,) = _CRC.unpack_from(data, len(data) - _CRC.size)
-    body = memoryview(data)[: len(data) - _CRC.size]
-    if zlib.crc32(body) != crc:
-        raise StoreError(where, crc, "checksum mismatch: the file is damaged")
-    magic, head_len = _HEAD.unpack_from(body, 0)
-    if magic != MAGIC:
-        raise StoreError(where, bytes(magic), f"expected {MAGIC!r}")
-    try:
-        header = msgpack.unpackb(body[_HEAD.size : _HEAD.size + head_len], raw=False)
-        tensors = decode_tensors(body[_HEAD.size + head_len :])
-    except Exception as exc:  # msgpack's, the codec's: any of them means a damaged file
-        raise StoreError(where, type(exc).__name__, f"undecodable: {exc}") from None
-    if not isinstance(header, dict):
-        raise StoreError(where, type(header).__name__, "the header is not a map")
-    return header, tensors
-
-
 def _read(path: Path) -> tuple[dict[str, Any], list[torch.Tensor]]:
     try:
         data = path.read_bytes()
@@ -199,122 +156,10 @@ def _read(path: Path) -> tuple[dict[str, Any], list[torch.Tensor]]:
     return _unpack(data, str(path))
 
 
-def _snapshot(value: Any, where: str) -> dict[str, Any] | None:
-    if value is not None and not (isinstance(value, dict) and type(value.get("seq")) is int):
-        raise StoreError(where, "ledger", "malformed ledger snapshot")
-    return value
-
-
 def _read_fragment(path: Path) -> tuple[FragmentRecord, int]:
     """One fragment file and its ledger snapshot's seq, every field checked."""
     header, tensors = _read(path)
-    where = str(path)
-    try:
-        count, meta = header["count"], header["outer"]
-        if count + sum(item.get("tensors", 0) for item in meta.values()) != len(tensors):
-            raise ValueError(f"{len(tensors)} tensors do not match the header")
-        snapshot = _snapshot(header.get("ledger"), where) or {"seq": 0, "state": None}
-        return FragmentRecord(
-            fragment=int(header["fragment"]),
-            version=int(header["version"]),
-            next_round_id=int(header["next_round_id"]),
-            global_step=int(header["global_step"]),
-            tokens=int(header["tokens"]),
-            values=tensors[:count],
-            outer=_join_outer(meta, tensors[count:]),
-            applied=[(a[0], a[1], a[2]) for a in header["applied"]],
-            merged_base={(a[0], a[1]): a[2] for a in header["merged_base"]},
-            ledger=snapshot["state"],
-        ), snapshot["seq"]
-    except StoreError:
-        raise
-    except Exception as exc:
-        raise StoreError(where, type(exc).__name__, f"malformed header: {exc}") from None
-
-
-def _split_outer(state: dict[str, Any]) -> tuple[dict[str, Any], list[torch.Tensor]]:
-    """An outer state_dict as msgpack-able metadata plus its tensors in order."""
-    meta: dict[str, Any] = {}
-    tensors: list[torch.Tensor] = []
-    for name, value in sorted(state.items()):
-        if isinstance(value, list):
-            meta[name] = {"tensors": len(value)}
-            tensors.extend(value)
-        else:
-            meta[name] = {"value": value}
-    return meta, tensors
-
-
-def _join_outer(meta: dict[str, Any], tensors: list[torch.Tensor]) -> dict[str, Any]:
-    state: dict[str, Any] = {}
-    pos = 0
-    for name, item in sorted(meta.items()):
-        if "tensors" in item:
-            state[name] = tensors[pos : pos + item["tensors"]]
-            pos += item["tensors"]
-        else:
-            state[name] = item["value"]
-    return state
-
-
-def _journal_body(body: bytes, n: int) -> tuple[dict[str, Any] | None, list[bytes]]:
-    """A journal record's body, or the prefix of one a kill left: (header, payloads), the
-    header None while incomplete. Raises _Damaged if no prefix of a record looks like it."""
-    if len(body) < _HEAD.size:
-        if len(body) >= n:
-            raise _Damaged(f"a {n}-byte record, too short for a header")
-        return None, []
-    magic, head_len = _HEAD.unpack_from(body, 0)
-    if magic != JOURNAL_MAGIC:
-        raise _Damaged(f"bad magic {bytes(magic)!r}")
-    if _HEAD.size + head_len > n:
-        raise _Damaged(f"a {head_len}-byte header in a {n}-byte record")
-    if len(body) < _HEAD.size + head_len:
-        return None, []
-    try:
-        header = msgpack.unpackb(body[_HEAD.size : _HEAD.size + head_len], raw=False)
-        sizes = [int(s) for s in header["payloads"]]
-    except Exception as exc:
-        raise _Damaged(f"an undecodable header ({exc})") from None
-    if _HEAD.size + head_len + sum(sizes) != n:
-        raise _Damaged(f"a length field of {n} bytes that its header contradicts")
-    payloads, at = [], _HEAD.size + head_len
-    for size in sizes:
-        payloads.append(body[at : at + size])
-        at += size
-    return header, payloads
-
-
-def _journal_record(data: bytes, pos: int) -> tuple[int, dict[str, Any], list[bytes]]:
-    """The journal record at ``pos``: (end, header, payloads). Raises _Torn for what a kill
-    mid-append leaves (a prefix of a record; a checksum failing on the record that ends at
-    EOF), _Damaged for anything else."""
-    left = len(data) - pos
-    if left < _LEN.size:
-        raise _Torn(f"an incomplete length field ({left} bytes)")
-    (n,) = _LEN.unpack_from(data, pos)
-    end = pos + _LEN.size + n + _CRC.size
-    body = data[pos + _LEN.size : min(end - _CRC.size, len(data))]
-    try:
-        header, payloads = _journal_body(body, n)
-    except _Damaged:
-        if not data[pos:].strip(b"\0"):  # a crash after the size grew, before the data
-            raise _Torn("a zero-filled tail") from None
-        raise
-    if end > len(data):
-        raise _Torn(f"a record cut short ({left} of {end - pos} bytes)")
-    (crc,) = _CRC.unpack_from(data, end - _CRC.size)
-    if zlib.crc32(body) != crc:
-        if end == len(data):
-            raise _Torn("a checksum mismatch on the last record")
-        raise _Damaged("checksum mismatch")
-    if header is None:
-        raise _Damaged("a record without a header")
-    return end, header, payloads
-
-
-def _canonical(body: dict[str, Any]) -> bytes:
-    return json.dumps(body, sort_keys=True).encode()
+    return _fragment_of(header, tensors, str(path))
 
 
 class SyncerStore:
@@ -383,16 +228,7 @@ class SyncerStore:
             raise StoreError(where, type(exc).__name__, f"undecodable: {exc}") from None
         if not ok:
             raise StoreError(where, crc, "checksum mismatch: the manifest is damaged")
-        if body.get("format") != MANIFEST_FORMAT:
-            raise StoreError(where, body.get("format"), f"this build reads format "
-                             f"{MANIFEST_FORMAT}")  # fmt: skip
-        names = body.get("files")
-        pending = body.get("pending")
-        if not (isinstance(names, list) and (pending is None or isinstance(pending, str))
-                and all(isinstance(n, str) and _NAME.fullmatch(n) for n in [*names, pending or
-                                                                           "fragment-0000.bin"])
-                and isinstance(body.get("journal"), bool)):  # fmt: skip
-            raise StoreError(where, sorted(body), "malformed manifest")
+        _check_manifest(body, where)
         theirs, count = body.get("fingerprint"), body.get("fragments")
         if self.fingerprint is not None and theirs != self.fingerprint:
             raise StoreError(str(self.dir), theirs, f"store {self.dir} was written by another "
@@ -453,23 +289,8 @@ class SyncerStore:
         first = path.name not in manifest["files"]
         if first:  # announced before it exists, listed once it does (see the module doc)
             self._write_manifest({**self._settled(manifest), "pending": path.name})
-        outer_meta, outer_tensors = _split_outer(record.outer)
-        header = {
-            "fragment": p,
-            "version": record.version,
-            "next_round_id": record.next_round_id,
-            "global_step": record.global_step,
-            "tokens": record.tokens,
-            "count": len(record.values),
-            "outer": outer_meta,
-            "applied": [list(k) for k in record.applied],
-            "merged_base": [[lrn, inc, b] for (lrn, inc), b in sorted(record.merged_base.items())],
-        }
         seq = self.seq + (record.ledger is not None)
-        if record.ledger is not None:
-            header["ledger"] = {"seq": seq, "state": record.ledger}
-        tensors = [t.detach().float() for t in record.values] + outer_tensors
-        write_atomic(path, _pack(header, tensors))
+        write_atomic(path, _fragment_bytes(record, seq))
         self.seq = seq
         self.writes += 1
         if first:
@@ -485,9 +306,7 @@ class SyncerStore:
         """One merge's inputs: a length-prefixed, checksummed record, fsynced. A failed
         append (a full disk) is cut back, so it is not mistaken for damage later."""
         self._opened()
-        head = msgpack.packb({**header, "payloads": [len(p) for p in payloads]}, use_bin_type=True)
-        body = _HEAD.pack(JOURNAL_MAGIC, len(head)) + head + b"".join(payloads)
-        record = _LEN.pack(len(body)) + body + _CRC.pack(zlib.crc32(body))
+        record = _journal_bytes(header, payloads)
         path, created = self.journal_path, not self.journal_path.exists()
         try:
             fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
@@ -601,57 +420,14 @@ class SyncerStore:
 
     def _scan(self, data: bytes) -> tuple[Journal, str | None]:
         """The journal's records and, if it ends in a torn one, why; damage elsewhere raises."""
-        records: Journal = []
-        pos = 0
-        while pos < len(data):
-            try:
-                end, header, payloads = _journal_record(data, pos)
-            except _Torn as torn:
-                return records, str(torn)
-            except _Damaged as exc:
-                why = f"record {len(records)} at byte {pos} is damaged ({exc}); only the last "
-                raise StoreError(str(self.journal_path), pos, why + "record may be torn") from None
-            records.append((pos, end, header, payloads))
-            pos = end
-        return records, None
+        return _scan_journal(data, str(self.journal_path))
 
     def _trim_journal(self, versions: dict[int, int], complete: bool) -> None:
         """Cut a torn tail, and merges whose fragment file was not written before a crash
         (they were never broadcast, so they never happened); with ``complete`` (the store
         keeps a journal) every durable merge must be in it, in order."""
         data = self.journal_path.read_bytes()
-        records, torn = self._scan(data)
-        keep = records[-1][1] if records else 0
-        if torn is not None:
-            self._note(f"{self.journal_path}: cut {len(data) - keep} bytes at byte {keep} after "
-                       f"record {len(records) - 1}: {torn}")  # fmt: skip
-        seen: dict[int, int] = {}
-        cut: int | None = None  # the first merge never written
-        for i, (start, _, header, _) in enumerate(records):
-            p, v = header.get("fragment"), header.get("version")
-            where = f"record {i} at byte {start}"
-            if type(p) is not int or type(v) is not int:
-                raise StoreError(str(self.journal_path), start, f"{where} names no merge")
-            if v > versions.get(p, 0):
-                cut = i if cut is None else cut
-            elif cut is not None:
-                raise StoreError(str(self.journal_path), start, f"{where} is durable but "
-                                 f"follows record {cut}, a merge never written")  # fmt: skip
-            elif v != seen.get(p, 0) + 1:
-                raise StoreError(str(self.journal_path), start, f"{where}: fragment {p} version "
-                                 f"{v} follows version {seen.get(p, 0)}")  # fmt: skip
-            else:
-                seen[p] = v
-        if cut is not None:
-            start = records[cut][0]
-            self._note(f"{self.journal_path}: cut {keep - start} bytes at byte {start}: "
-                       f"{len(records) - cut} merges from record {cut} on, never written to "
-                       "their fragment files, so never broadcast")  # fmt: skip
-            keep = start
-        lost = {p: (seen.get(p, 0), v) for p, v in versions.items() if seen.get(p, 0) != v}
-        if complete and lost:
-            raise StoreError(str(self.journal_path), lost, "merges are missing from the journal "
-                             "(fragment: (journal's last version, durable version))")  # fmt: skip
+        keep = _journal_keep(data, versions, complete, str(self.journal_path), self._note)
         if keep != len(data):
             try:
                 with self.journal_path.open("r+b") as f:
@@ -705,62 +481,3 @@ def restore(syncer: SyncerState, records: dict[int, FragmentRecord]) -> tuple[in
         tokens = max(tokens, rec.tokens)
     policy.global_step = step
     return step, tokens
-
-
-def journal_header(result: MergeResult) -> dict[str, Any]:
-    """What the journal keeps about one merge besides the payloads."""
-    rnd = result.round
-    return {
-        "fragment": result.fragment,
-        "version": result.version,
-        "answers": [
-            [a.learner, a.incarnation, a.seq, a.base_version, a.c_steps, a.c_tokens]
-            for a in rnd.answers
-        ],
-    }
-
-
-def replay_journal(
-    store: SyncerStore,
-    initial: list[list[torch.Tensor]],
-    config: SyncerConfig,
-    plain_mask: list[list[bool]],
-) -> tuple[list[list[torch.Tensor]], Counter[Key]]:
-    """Audit: rebuild the global fragments from Theta_0 and the journal with the core's merge
-    and outer optimizer, checking every version appears once and in order; also return how
-    often each answer key was merged (a doubled update shows up as a count of 2)."""
-    fragments = [[t.detach().to(torch.float32, copy=True) for t in f] for f in initial]
-    outers = [make_outer_optimizer(config.outer) for _ in fragments]
-    workspace = torch.empty(max(sum(t.numel() for t in f) for f in fragments))
-    merged: Counter[Key] = Counter()
-    versions = [0] * len(fragments)
-    for header, payloads in store.journal():
-        p = header["fragment"]
-        if header["version"] != versions[p] + 1:
-            raise StoreError("journal", header["version"], f"fragment {p} was at {versions[p]}")
-        versions[p] = header["version"]
-        answers = header["answers"]  # learner, incarnation, seq, base, c_steps, c_tokens
-        merged.update((a[0], a[1], a[2]) for a in answers)
-        weights = [token_weight(a[5], a[4]) for a in answers]
-        deltas = [decode_tensors(payload) for payload in payloads]
-        norms = [tensor_norms(d) for d in deltas]
-        merge_step(fragments[p], outers[p], deltas, weights, norms, config.merge_rule,
-                   plain_mask[p], workspace)  # fmt: skip
-    return fragments, merged
-
-
-def recompute(
-    config: RunConfig, store: SyncerStore
-) -> tuple[list[list[torch.Tensor]], Counter[Key]]:
-    """Audit a run: its global fragments rebuilt from Theta_0 and ``store``'s journal, and how
-    often each answer was merged. Merges on one torch thread, as the syncer does, so a faithful
-    store matches bit for bit (a reduction's rounding depends on the thread count)."""
-    setup = RunSetup(config)
-    initial = [gather(setup.plan, p, setup.initial) for p in range(setup.plan.num_fragments)]
-    masks = [[s.name in setup.plain for s in f.slices] for f in setup.plan.fragments]
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        return replay_journal(store, initial, setup.settings.sync.syncer_config(), masks)
-    finally:
-        torch.set_num_threads(threads)

@@ -73,10 +73,6 @@ MONITORED_NAMES: dict[int, str] = {
 MONITORED = sum(MONITORED_NAMES)
 
 
-class FatalError(DDiLoCoError):
-    """The syncer cannot go on, and a restart would not help (the launcher gives up)."""
-
-
 class SyncerService:
     """One syncer process."""
 
@@ -253,15 +249,13 @@ class SyncerService:
 
     def dispatch(self, m: int, kind: str, meta: dict[str, Any], payload: memoryview) -> None:
         """Run the handler of an authenticated message from learner ``m``; a malformed one
-        is refused, counted and logged. Only a :class:`FatalError` gets out."""
+        is refused, counted and logged; nothing gets out."""
         handler = self.handlers.get(kind)
         if handler is None:
             self.refuse("refused_kind", m, f"unknown message kind {kind[:32]!r}")
             return
         try:
             handler(m, meta, payload)
-        except FatalError:
-            raise
         except DDiLoCoError as exc:  # malformed metadata, by the messages' checks
             self.refuse("refused_meta", m, f"{kind}: {exc}")
         except Exception as exc:
@@ -281,11 +275,12 @@ class SyncerService:
         if inc != self.sessions.get(m):
             raise ConfigError("meta.inc", inc, "is not the session this learner signs with")
         if not self.restored and max(versions, default=0) > 0 and not any(self.syncer.versions):
-            raise FatalError("store", str(self.store.dir),
-                             f"learner {m} holds fragment versions up to {max(versions)} but "
-                             "this syncer's store is empty: it was started with another "
-                             "--store (or its store was lost). Restore the store, or start "
-                             "the whole run again")  # fmt: skip
+            why = (f"learner {m} holds fragment versions up to {max(versions)} but this "
+                   f"syncer's store {self.store.dir} is empty: was the syncer started with "
+                   "another --store, or was its store lost? Restore it, or start the run anew")
+            self.refuse("refused_ahead", m, why)  # its answers could never merge: say so
+            self.send(m, "refused", meta={"why": why})
+            return
         now = self.events.now()
         self.ledger.joined(m, inc, step, versions)  # a new life: what the old one held is lost
         self.account_uptime(now)

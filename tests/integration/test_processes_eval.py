@@ -1,0 +1,30 @@
+"""The syncer evaluates off its service loop: a large eval set stalls no merge and no beat,
+so no learner is given up and the ledger balances (it did not when evaluation ran inline)."""
+
+from __future__ import annotations
+
+from ddiloco.config import load_config
+
+
+def test_four_learners_with_a_large_eval_set_keep_the_ledger_balanced(tmp_path, launch):
+    cfg = load_config(None, [
+        "model='gpt-1m'", "methods=['decoupled']", "runtime='processes'", "train.learners=4",
+        "sync.fragments=24", "sync.sync_every=24", "data.eval_batches=64",
+        "train.tokens=100000", "train.eval_every=10000", "processes.max_wall_seconds=240.0",
+    ])  # fmt: skip
+    done: dict[int, int] = {}
+
+    def hook(_, record):
+        if record["kind"] == "learner_done":
+            done[record["learner"]] = record["tokens"]
+
+    summary, records = launch(cfg, tmp_path, hook)
+    assert summary["ledger_balanced"] and summary["ledger_errors"] == 0
+    assert not [r for r in records if r["kind"] == "detected"]  # nobody was given up
+    evaluations = summary["evaluations"]
+    assert evaluations["evals"] >= 1 and evaluations["eval_failed"] == 0
+    assert summary["rounds"] > 0
+    # what the learners trained is what the syncer counted (up to the last reports in flight)
+    assert len(done) == 4
+    trained = sum(done.values())
+    assert summary["tokens"] <= trained <= summary["tokens"] * 1.05

@@ -1,0 +1,85 @@
+"""Every handler of the syncer service is total: metadata of any wrong type or size, from a
+learner holding the secret, is refused and counted, never an exception out of the loop."""
+
+from __future__ import annotations
+
+import io
+import math
+import time
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from ddiloco.config import load_config
+from ddiloco.runtime.processes.common import Events
+from ddiloco.runtime.processes.launcher import free_port
+from ddiloco.runtime.processes.setup import RunSetup
+from ddiloco.runtime.processes.syncer_service import SyncerService
+
+FIELDS = ["inc", "step", "versions", "peer", "tokens", "secs", "rebased", "learner",
+          "incarnation", "seq", "fragment", "round_id", "base_version", "local_step",
+          "c_steps", "c_tokens", "key"]  # fmt: skip
+SCALARS = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(min_value=-(2**63), max_value=2**64 - 1),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.text(max_size=20),
+    st.binary(max_size=20),
+)
+VALUES = st.recursive(
+    SCALARS,
+    lambda inner: (
+        st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=5), inner, max_size=5)
+    ),
+    max_leaves=12,
+)
+METAS = st.dictionaries(st.sampled_from(FIELDS) | st.text(max_size=8), VALUES, max_size=10)
+
+
+@pytest.fixture(scope="module")
+def service(tmp_path_factory):
+    config = load_config(None, ["model='gpt-tiny'", "train.learners=2", "sync.fragments=2",
+                                "sync.sync_every=2", "data.eval_batches=1"])  # fmt: skip
+    store = tmp_path_factory.mktemp("store")
+    events = Events(time.time(), io.StringIO())
+    svc = SyncerService(RunSetup(config), f"127.0.0.1:{free_port('127.0.0.1')}", "r",
+                        b"s" * 32, store, events)  # fmt: skip
+    yield svc
+    svc.sock.close(0)
+    svc.gate.close()
+    svc.monitor.close(0)
+
+
+@settings(
+    max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(kind=st.sampled_from(["hello", "progress", "answer", "peers", "inline", "bye", "what"]),
+       meta=METAS, payload=st.binary(max_size=64), m=st.integers(0, 1))  # fmt: skip
+def test_any_metadata_is_refused_or_handled_never_raised(service, kind, meta, payload, m):
+    service.sessions[m] = meta.get("inc") if isinstance(meta.get("inc"), int) else 5
+    before = sum(service.counts.values())
+    service.dispatch(m, kind, meta, memoryview(payload))  # must not raise
+    assert math.isfinite(service.tokens) and service.tokens >= 0
+    assert all(v >= 0 for v in service.syncer.versions)
+    assert service.counts.get("handler_error", 0) == 0  # refused by the checks, not a bug
+    if kind == "what":
+        assert sum(service.counts.values()) == before + 1  # refused_kind
+
+
+def test_each_malformed_shape_is_counted_as_refused_metadata(service):
+    service.sessions[0] = 5
+    shapes = [
+        ("hello", {"inc": "abc", "step": 0, "versions": [0, 0]}),
+        ("hello", {"inc": 5, "step": 0, "versions": []}),
+        ("hello", {"inc": 5, "step": math.inf, "versions": [0, 0]}),
+        ("hello", {"inc": 5, "step": 0, "versions": {"a": 1}}),
+        ("progress", {"inc": 5, "step": 1, "tokens": "x", "secs": 0.1}),
+        ("progress", {"inc": 5, "step": math.nan, "tokens": 1, "secs": 0.1}),
+        ("answer", {"c_tokens": "x"}),
+    ]
+    before = service.counts["refused_meta"]
+    for kind, meta in shapes:
+        service.dispatch(0, kind, meta, memoryview(b""))
+    assert service.counts["refused_meta"] - before == len(shapes)
