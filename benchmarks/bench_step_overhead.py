@@ -4,9 +4,13 @@ A real ``ddiloco syncer`` process and one learner (this process) train a model w
 dominates (default gpt-4m). Blocks of ``--steps`` steps alternate: syncing off (the inner
 step only) and syncing on (the inner step plus progress report, answering asks and applying
 merged fragments: the learner process's own ``step``; encoding and sending happen in the link
-thread). Alternating blocks cancels slow drifts of a shared machine. Target: ratio <= 1.03.
+thread). Alternating blocks cancels slow drifts of a shared machine. Target: ratio <= 1.03,
+also while the syncer evaluates a large model all the time (``--eval-every`` tokens, on its
+evaluation thread, which must not stall merges or beats).
 
     .venv/bin/python benchmarks/bench_step_overhead.py --model gpt-4m --blocks 6 --steps 10
+    .venv/bin/python benchmarks/bench_step_overhead.py --model gpt-12m --eval-every 512 \
+        --eval-batches 16
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -37,12 +42,15 @@ def main() -> None:
     parser.add_argument("--blocks", type=int, default=6, help="pairs of (off, on) blocks")
     parser.add_argument("--steps", type=int, default=10, help="steps per block")
     parser.add_argument("--fragments", type=int, default=12)
+    parser.add_argument("--eval-every", type=int, default=1_000_000_000, help="syncer, tokens")
+    parser.add_argument("--eval-batches", type=int, default=1)
     args = parser.parse_args()
     torch.set_num_threads(1)
     overrides = [f"model='{args.model}'", "methods=['decoupled']", "train.learners=1",
                  f"train.batch_size={args.batch}", "train.tokens=1000000000",
-                 "train.eval_every=1000000000", f"sync.fragments={args.fragments}",
-                 f"sync.sync_every={args.fragments}", "data.eval_batches=1"]  # fmt: skip
+                 f"train.eval_every={args.eval_every}", f"sync.fragments={args.fragments}",
+                 f"sync.sync_every={args.fragments}",
+                 f"data.eval_batches={args.eval_batches}"]  # fmt: skip
     config = load_config(None, overrides)
     tmp = Path(tempfile.mkdtemp(prefix="ddiloco-bench-"))
     (tmp / "config.toml").write_text(to_toml(config))
@@ -52,8 +60,15 @@ def main() -> None:
     syncer = subprocess.Popen(
         [sys.executable, "-m", "ddiloco.cli", "syncer", "--bind", address, "--config",
          str(tmp / "config.toml"), "--run-id", "bench", "--store", str(tmp / "store")],
-        env=env, stdout=subprocess.DEVNULL,
+        env=env, stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
+    evals: list[str] = []
+    threading.Thread(
+        target=lambda: evals.extend(
+            line for line in syncer.stdout or () if '"kind": "eval"' in line
+        ),
+        daemon=True,
+    ).start()
     try:
         setup = RunSetup(config)
         quiet = Events(time.time(), io.StringIO())
@@ -94,7 +109,8 @@ def main() -> None:
         syncer.wait(timeout=30)
     m_off, m_on = statistics.median(off), statistics.median(on)
     print(f"model {args.model}, batch {args.batch}, P = H = {args.fragments}, "
-          f"{len(off)} + {len(on)} steps, merged fragment versions {merged}")  # fmt: skip
+          f"{len(off)} + {len(on)} steps, merged fragment versions {merged}, "
+          f"syncer evaluations finished {len(evals)}")  # fmt: skip
     print(f"inner step inside the syncing-on steps: {statistics.median(inner) * 1e3:.1f} ms "
           "(growth over 'off' is CPU/GIL contention, not work in the training loop)")  # fmt: skip
     print(

@@ -17,8 +17,11 @@ wire in clear: it keeps out anyone who can only *connect* (the attacks we measur
 eavesdropper on the path, who could replay it to connect (but still cannot forge a frame).
 Across untrusted networks, run the links inside WireGuard or TLS (docs/security.md).
 
-The gatekeeper bounds what handshakes may cost: a token bucket per source address, and an
-address that keeps failing is refused outright for a while. Every refusal is counted;
+The gatekeeper bounds what failed handshakes may cost: a token bucket per source address,
+and an address that keeps failing is shut out for a while (its refusals are then counted as
+``banned`` and not logged). Valid credentials are always admitted, even from a shut-out
+address: learners and attackers may share one (loopback, a NAT), and a learner refused for
+its neighbour's sake would stop, believing its secret wrong. Every refusal is counted;
 logging is rate-limited (one line per reason per few seconds, with the count suppressed).
 """
 
@@ -45,6 +48,13 @@ DOMAIN = b"ddiloco"
 LABEL = b"ddiloco-connect-v1"
 LEARNER_NAME = re.compile(r"L(\d{1,6})")
 MAX_ADDRESSES = 4096  # source addresses remembered by the rate limiter (oldest forgotten)
+WHY = {
+    "bad_credentials": "wrong secret or run id",
+    "unknown_name": "not a member of this run",
+    "mechanism": "no ddiloco credentials (PLAIN) presented",
+    "handshake_rate": "too many failed handshakes",
+    "banned": "address shut out after repeated failures",
+}
 
 
 def credential(secret: bytes, run: str, name: str) -> bytes:
@@ -150,55 +160,50 @@ class Gatekeeper(threading.Thread):
     def _check(
         self, address: bytes, mechanism: bytes, creds: list[bytes]
     ) -> tuple[bytes, str, str]:
+        name, reason = self._verify(mechanism, creds)
+        if reason is None:
+            self.counts["accepted"] += 1
+            return b"200", "OK", name
         now = self.clock()
         source = self._source(address, now)
         where = address.decode(errors="replace")[:64]
-        if source.banned_until > now:
-            return self._refuse("banned", where, "", now, source, fail=False)
-        source.tokens = min(
-            self.bounds.burst, source.tokens + (now - source.at) * self.bounds.per_second
-        )
-        source.at = now
+        if source.banned_until > now:  # shut out: counted, not logged
+            self.counts["refused_banned"] += 1
+            return b"400", WHY["banned"], ""
+        refill = (now - source.at) * self.bounds.per_second
+        source.tokens, source.at = min(self.bounds.burst, source.tokens + refill), now
         if source.tokens < 1.0:
-            return self._refuse("handshake_rate", where, "", now, source, fail=False)
-        source.tokens -= 1.0
+            reason = "handshake_rate"
+        else:
+            source.tokens -= 1.0
+        self.counts[f"refused_{reason}"] += 1
+        window = now - self.bounds.fail_window
+        source.failures = [t for t in source.failures if t > window] + [now]
+        if len(source.failures) >= self.bounds.fail_limit:
+            source.banned_until = now + self.bounds.ban_seconds
+            source.failures.clear()
+            self._say("ban", "shutting out %s for %.0fs after %d failed handshakes", where,
+                      self.bounds.ban_seconds, self.bounds.fail_limit)  # fmt: skip
+        self._say(reason, "refused a connection from %s (%s): %s", where, name or "-",
+                  WHY[reason])  # fmt: skip
+        return b"400", WHY[reason], ""
+
+    def _verify(self, mechanism: bytes, creds: list[bytes]) -> tuple[str, str | None]:
+        """(the name presented, why it is refused or None); compared in constant time."""
         if mechanism != b"PLAIN" or len(creds) != 2:
-            return self._refuse("mechanism", where, mechanism.decode(errors="replace"), now, source)
+            return mechanism.decode(errors="replace")[:16], "mechanism"
         try:
             name = creds[0].decode("ascii")
         except UnicodeDecodeError:
-            return self._refuse("unknown_name", where, "<not ascii>", now, source)
+            return "<not ascii>", "unknown_name"
         if len(name) > 32 or not self.accept(name):
-            return self._refuse("unknown_name", where, name[:32], now, source)
+            return name[:32], "unknown_name"
         expected = self._expected.get(name)
         if expected is None:
             expected = self._expected[name] = credential(self.secret, self.run_id, name)
         if not hmac.compare_digest(expected, creds[1]):
-            return self._refuse("bad_credentials", where, name, now, source)
-        self.counts["accepted"] += 1
-        return b"200", "OK", name
-
-    def _refuse(
-        self, reason: str, where: str, name: str, now: float, source: _Address, fail: bool = True
-    ) -> tuple[bytes, str, str]:
-        self.counts[f"refused_{reason}"] += 1
-        if fail:
-            window = now - self.bounds.fail_window
-            source.failures = [t for t in source.failures if t > window] + [now]
-            if len(source.failures) >= self.bounds.fail_limit:
-                source.banned_until = now + self.bounds.ban_seconds
-                source.failures.clear()
-                self._say("ban", "refused connections from %s for %.0fs: %d failed handshakes",
-                          where, self.bounds.ban_seconds, self.bounds.fail_limit)  # fmt: skip
-        why = {
-            "bad_credentials": "wrong secret or run id",
-            "unknown_name": "not a member of this run",
-            "mechanism": "no ddiloco credentials (PLAIN) presented",
-            "handshake_rate": "too many handshakes",
-            "banned": "address shut out after repeated failures",
-        }[reason]
-        self._say(reason, "refused a connection from %s (%s): %s", where, name or "-", why)
-        return b"400", why, ""
+            return name, "bad_credentials"
+        return name, None
 
     def _source(self, address: bytes, now: float) -> _Address:
         source = self._addresses.get(address)
