@@ -3,18 +3,29 @@
 With no arguments it runs the embedded demo: 4 learners train a ~0.9M-parameter GPT on
 Shakespeare with Decoupled DiLoCo under a chaos plan (a crash with peer recovery, a
 straggler), then data-parallel on the same tokens, and prints a side-by-side table.
+
+Under ``--runtime processes`` a pre-flight check refuses a model or data set that cannot
+train before any process starts; a process that keeps failing stops the run with its log's
+last lines and exit status 2 (as every error); the first SIGINT or SIGTERM stops the run
+cleanly (the syncer's final evaluation and summary, then summary.json and the plots as at
+a normal end) and exits 128 + the signal (130 for Ctrl-C, 143 for SIGTERM), a second one
+kills every process at once and exits 130 with no summary.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import random
+import signal
+import sys
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -30,6 +41,9 @@ from ddiloco.runtime.sim.data_parallel import DataParallelSim
 from ddiloco.runtime.sim.engine import FragmentSim
 from ddiloco.strategies import FRAGMENT_STRATEGIES
 from ddiloco.trainer import sequence_length
+
+if TYPE_CHECKING:
+    from ddiloco.runtime.processes.launcher import Launcher
 
 DEMO_CHAOS = (
     ChaosEvent(at=60.0, kind="crash", learner=1, duration=40.0),
@@ -75,24 +89,44 @@ def run(args: argparse.Namespace) -> int:
     config = resolve(args)
     out = Path(args.out or f"runs/{config.name}-{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
-    summaries = train(config, out, quiet=args.quiet)
+    from ddiloco.runtime.processes.supervision import LaunchError
+
+    try:
+        summaries = train(config, out, quiet=args.quiet)
+    except LaunchError as exc:
+        print(exc.details(), file=sys.stderr, flush=True)
+        raise  # the cli's one-line error, exit status 2
+    except KeyboardInterrupt:
+        print(f"\nddiloco train: killed, no summary (run directory: {out})", file=sys.stderr)
+        return 128 + signal.SIGINT
     print()
     print(render(summaries))
     print(f"\nrun directory: {out}")
+    stopped = next((s["stop_signal"] for s in summaries if s.get("stop_signal")), None)
+    if stopped:
+        print(f"stopped early by {stopped}: summary.json and the plots cover the run so far")
+        return 128 + int(signal.Signals[stopped])
     return 0
 
 
 def train(config: RunConfig, out: Path, quiet: bool = False) -> list[dict[str, Any]]:
     """Run every method of ``config``; write config, chaos plan, metrics, summary, plots."""
     torch.set_num_threads(max(1, min(torch.get_num_threads(), 2)))
+    processes = config.runtime == "processes"
+    if processes:  # refuse what cannot train before any process starts (or crash-loops)
+        from ddiloco.runtime.processes import preflight
+
+        seq_len = preflight.check(config, config.methods[0]).seq_len
+    else:
+        seq_len = sequence_length(build_model(config.model))
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.toml").write_text(to_toml(config), encoding="utf-8")
-    seq_len = sequence_length(build_model(config.model))
     config = with_expanded_chaos(config, seq_len)
     write_json(out / "chaos_plan.json", to_json(config.chaos))
-    slots = config.train.learners + config.train.scavenged
-    splits = split_corpus(config.data.source, slots, config.data.eval_fraction)
-    evals = eval_batches(splits.eval, seq_len, 16, config.data.eval_batches)
+    if not processes:  # each process splits the corpus on its own
+        slots = config.train.learners + config.train.scavenged
+        splits = split_corpus(config.data.source, slots, config.data.eval_fraction)
+        evals = eval_batches(splits.eval, seq_len, 16, config.data.eval_batches)
     metrics = MetricsWriter(out / "metrics.jsonl")
     progress = Progress(config.train.tokens, quiet=quiet)
     summaries = []
@@ -103,16 +137,22 @@ def train(config: RunConfig, out: Path, quiet: bool = False) -> list[dict[str, A
             def emit(record: dict[str, Any], method: str = method) -> None:
                 metrics.emit(record)
                 progress(method, record)
+                if record["kind"] == "exited" and record["code"] and not record["gave_up"]:
+                    print(exited_line(method, record), file=sys.stderr, flush=True)
 
             started = time.monotonic()
-            if config.runtime == "processes":
-                from ddiloco.runtime.processes.launcher import run_processes
+            if processes:
+                from ddiloco.runtime.processes.launcher import Launcher
 
-                summary = run_processes(config, method, out, emit)
+                launcher = Launcher(config, method, out, emit)
+                with stopping_on_signals(launcher):
+                    summary = launcher.run()
             else:
                 summary = run_method(config, method, splits, evals, emit)
             summary["wall_seconds"] = time.monotonic() - started
             summaries.append(summary)
+            if summary.get("stop_signal"):
+                break  # the user stopped the run: not the next method either
     finally:
         metrics.close()
     primary = dict(summaries[0])
@@ -120,6 +160,43 @@ def train(config: RunConfig, out: Path, quiet: bool = False) -> list[dict[str, A
     write_json(out / "summary.json", primary)
     plot_run(out)
     return summaries
+
+
+@contextlib.contextmanager
+def stopping_on_signals(launcher: Launcher) -> Iterator[None]:
+    """While the launcher runs, SIGINT and SIGTERM go to :meth:`Launcher.interrupt` (the
+    first: a clean stop; the second: kill), not to a KeyboardInterrupt or a sudden death
+    that would orphan its processes. Only the main thread can take signals."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum: int, _frame: object) -> None:
+        launcher.interrupt(signum)
+
+    # a signal ignored from the start stays ignored (a background job's SIGINT, as Python does)
+    sigs = [s for s in (signal.SIGINT, signal.SIGTERM) if signal.getsignal(s) != signal.SIG_IGN]
+    old = {s: signal.signal(s, handler) for s in sigs}
+    try:
+        yield
+    finally:
+        for s, previous in old.items():
+            signal.signal(s, previous)
+
+
+def exited_line(method: str, r: dict[str, Any]) -> str:
+    """A process that exited on its own, for the terminal: what it said, what happens next."""
+    from ddiloco.runtime.processes.supervision import describe
+
+    said = f" ({r['reason']})" if r.get("reason") else ""
+    if r["restart"]:
+        then = f"restarting in {r['delay']:.1f}s (failure {r['failures']} in a row)"
+    else:  # (one given up is told by the LaunchError, with its log)
+        then = "giving up" if r["gave_up"] else "not restarted"
+    return (
+        f"[t={r['t']:8.1f}] {method:<14} {r['process']} exited with {describe(r['code'])}"
+        f"{said}: {then}"
+    )
 
 
 def with_expanded_chaos(config: RunConfig, seq_len: int) -> RunConfig:

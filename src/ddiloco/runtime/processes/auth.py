@@ -238,32 +238,30 @@ class HandshakeWatch:
     """Tells a connecting socket's owner, within milliseconds, why its handshakes fail.
 
     libzmq retries a refused connection quietly for ever; a learner must instead stop and say
-    that the server refused its credentials (wrong secret or run id) or does not speak
-    ddiloco's protocol. Poll it from the thread that owns the socket.
+    that the server refused its credentials (wrong secret or run id). Other failures (a
+    handshake cut short by a server restarting, or a server that is not ddiloco's) are
+    counted in :attr:`failures`: the learner gives up on them only after its give-up time,
+    and says how many there were. Poll it from the thread that owns the socket.
     """
 
     def __init__(self, sock: zmq.Socket[bytes], address: str) -> None:
         self.address = address
         self.sock = sock
         self.mon = sock.get_monitor_socket(WATCHED)
-        self.succeeded = False
+        self.failures = 0
 
     def poll(self) -> str | None:
-        """A failure's description (the connection is refused for good), else None."""
+        """Why the server refused us for good (our credentials), else None."""
         from zmq.utils.monitor import recv_monitor_message
 
         while self.mon.poll(0):
             event = recv_monitor_message(self.mon)
             kind = event["event"]
-            if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                self.succeeded = True
-            elif kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+            if kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
                 return (f"{self.address} refused our credentials (ZAP status "
                         f"{event['value']}): wrong secret or run id")  # fmt: skip
-            elif not self.succeeded:  # a protocol failure once connected: a glitch, retried
-                return (f"{self.address} does not speak ddiloco's protocol (handshake "
-                        f"failed: {event['event']!s}); is it a ddiloco syncer of this "
-                        "version?")  # fmt: skip
+            if kind != zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self.failures += 1
         return None
 
     def close(self) -> None:

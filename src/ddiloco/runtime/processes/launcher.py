@@ -13,6 +13,15 @@ here), which holds the learner's frames to and from the syncer for ``duration`` 
 links at ``network.learner_syncer_gbps`` / factor. A plan with link faults gets a proxy (with
 no wire faults) even when ``processes.proxy`` is unset. Event times are wall seconds since
 the launch.
+
+A process that exits on its own is restarted with capped exponential backoff, and the run
+is stopped with a :class:`LaunchError` (naming the process, its exit code and the tail of
+its log) when it keeps failing or exits with :data:`FATAL_EXIT` (:mod:`.supervision`).
+:meth:`Launcher.request_stop` (a hook's, or the first SIGINT/SIGTERM through
+:meth:`Launcher.interrupt`) ends the run with the syncer's summary: a syncer that is down
+then is started at once and waited for :data:`STOP_WAIT_SECONDS`, after which the launcher
+writes the summary from what it heard (``summary_source: launcher``); a second signal kills
+every process group at once.
 """
 
 from __future__ import annotations
@@ -40,17 +49,26 @@ from typing import IO, Any
 
 from ddiloco.chaos.plan import ChaosEvent
 from ddiloco.config import RunConfig, to_toml
+from ddiloco.errors import FATAL_EXIT as FATAL_EXIT  # re-exported: what a process exits with
 from ddiloco.errors import ConfigError
 from ddiloco.runtime.processes.common import EVENT_PREFIX, SECRET_ENV, parse_address
 from ddiloco.runtime.processes.proxy import Faults
 from ddiloco.runtime.processes.setup import PROCESS_METHODS
 from ddiloco.runtime.processes.shm import remove_run_directory
+from ddiloco.runtime.processes.supervision import (
+    RestartPolicy,
+    Verdict,
+    descendant_groups,
+    exited_record,
+    own_summary,
+)
 
 RELAYED = ("step", "eval", "round", "drop", "recovered", "detected", "joined", "left",
            "restored", "leave", "syncer_up", "learner_up")  # fmt: skip
 SYNCER = "syncer"
 PROXY = "proxy"
 LINK_KINDS = ("link_slow", "link_cut")
+STOP_WAIT_SECONDS = 30.0  # after a stop, for the syncer's summary (a restarted one's too)
 
 
 def free_port(host: str) -> int:
@@ -105,8 +123,16 @@ class Launcher:
         self.summary: dict[str, Any] | None = None
         self.learner_done: dict[int, dict[str, Any]] = {}
         self.restarts: dict[str, int] = {}
+        p = config.processes
+        self.policy = RestartPolicy(p.max_restarts, p.restart_delay_seconds,
+                                    p.restart_backoff_cap_seconds)  # fmt: skip
+        self.readers: dict[str, threading.Thread] = {}
         self.hooks = list(hooks)  # called with every event, in the launcher's thread
         self.stop_requested = False
+        self.stop_deadline = math.inf  # monotonic: when a stop stops waiting for the syncer
+        self.stop_signal: int | None = None  # the first SIGINT/SIGTERM (see interrupt)
+        self.abort = False  # a second signal: kill everything now
+        self.seen: dict[str, Any] = {"rounds": 0, "eval": None}  # for a summary of our own
         self.finished = threading.Event()  # the run is over: background chaos stops
 
     # -- processes --------------------------------------------------------------------------
@@ -123,7 +149,8 @@ class Launcher:
     def start_proxy(self) -> None:
         assert self.faults is not None
         cmd = ["-m", "ddiloco.runtime.processes.proxy", "--listen", self.learner_address,
-               "--target", self.address, "--faults", self.config.processes.proxy,
+               "--target", self.address, "--run-id", self.run_id,
+               "--faults", self.config.processes.proxy,
                "--seed", str(self.config.seed), "--control",
                "--gbps", repr(self.config.network.learner_syncer_gbps)]  # fmt: skip
         old = self.procs.get(PROXY)
@@ -178,13 +205,19 @@ class Launcher:
             return
         self.expected_exit.discard(name)
         log = (self.logs / f"{name}.log").open("a", encoding="utf-8")
-        argv = [sys.executable, *(args if args[0] == "-m" else ["-m", "ddiloco.cli", *args])]
+        raw = args[0] in ("-m", "-c")  # a module or a program, else a ddiloco command
+        argv = [sys.executable, *(args if raw else ["-m", "ddiloco.cli", *args])]
         proc = subprocess.Popen(argv, env=self.env, stdout=subprocess.PIPE, stderr=log, text=True,
                                 stdin=subprocess.PIPE if control else None,
                                 start_new_session=True)  # fmt: skip  # its own process group
         log.close()
         self.procs[name] = proc
-        threading.Thread(target=self._read, args=(name, proc.stdout), daemon=True).start()
+        self.policy.started(name)
+        reader = threading.Thread(target=self._read, args=(name, proc.stdout), daemon=True)
+        self.readers[name] = reader
+        reader.start()
+        self.emit({"kind": "started", "t": self.now(), "process": name, "pid": proc.pid,
+                   "run": self.run_id})  # fmt: skip
 
     def _read(self, name: str, stream: IO[str] | None) -> None:
         assert stream is not None
@@ -204,29 +237,13 @@ class Launcher:
             return False
         if sig in (signal.SIGKILL, signal.SIGTERM):
             self.expected_exit.add(name)
-        groups = [proc.pid]
-        if name.startswith("learner-") and self.config.processes.ranks > 1:
-            children: dict[int, list[int]] = {}
-            with contextlib.suppress(OSError):
-                for entry in os.scandir("/proc"):
-                    with contextlib.suppress(OSError, ValueError, IndexError):
-                        pid = int(entry.name)
-                        stat = Path(entry.path, "stat").read_text()  # pid (comm) state ppid
-                        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-                        children.setdefault(ppid, []).append(pid)
-            todo, ours = list(children.get(proc.pid, [])), os.getpgrp()
-            while todo:
-                pid = todo.pop()
-                todo.extend(children.get(pid, []))
-                with contextlib.suppress(ProcessLookupError):
-                    group = os.getpgid(pid)
-                    if group not in (*groups, ours):
-                        groups.append(group)
+        ranks = name.startswith("learner-") and self.config.processes.ranks > 1
+        groups = descendant_groups(proc.pid) if ranks else []
         try:
             os.killpg(proc.pid, sig)
         except ProcessLookupError:
             return False
-        for group in groups[1:]:
+        for group in groups:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(group, sig)
         return True
@@ -249,16 +266,17 @@ class Launcher:
         name, m = f"learner-{event.learner}", event.learner
         record = {"kind": "chaos", "t": self.now(), "event": event.kind, "learner": m,
                   "duration": event.duration, "factor": event.factor}  # fmt: skip
+        reached = True  # a signal reached a live process
         if event.kind == "crash":
-            if self.signal(name, signal.SIGKILL):
+            if reached := self.signal(name, signal.SIGKILL):
                 self.after(event.duration, lambda: self.start_learner(m, join=True))
         elif event.kind == "freeze":
-            if self.signal(name, signal.SIGSTOP):
+            if reached := self.signal(name, signal.SIGSTOP):
                 self.after(event.duration, lambda: self.thaw(name))
         elif event.kind == "join":
             self.start_learner(m, join=True)
         elif event.kind == "leave":
-            self.signal(name, signal.SIGTERM)
+            reached = self.signal(name, signal.SIGTERM)
         elif event.kind == "slow" and event.factor > 1.0:
             threading.Thread(target=self.throttle, args=(name, event.factor, event.duration),
                              daemon=True).start()  # fmt: skip
@@ -268,6 +286,8 @@ class Launcher:
                 record["skipped"] = skipped
         else:
             record["skipped"] = "not played by the processes runtime yet"
+        if not reached:
+            record["skipped"] = f"{name} is not running"
         self.emit(record)
 
     def play_crash(self, m: int, down_seconds: float) -> float:
@@ -298,11 +318,29 @@ class Launcher:
 
     def request_stop(self) -> None:
         """End the run now: the syncer evaluates, writes its summary and stops the learners.
-        (A syncer still starting dies of it and is restarted; it is asked again once up.)"""
-        self.stop_requested = True
+        A syncer that is down (killed, or waiting out a restart delay) is started now; one
+        still starting is asked once it is up (its ``syncer_up``). Call it from the
+        launcher's thread (a hook, a timer); a signal handler calls :meth:`interrupt`."""
+        if not self.stop_requested:
+            self.stop_requested = True
+            self.stop_deadline = time.monotonic() + STOP_WAIT_SECONDS
         proc = self.procs.get(SYNCER)
-        if proc is not None and proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
+        if proc is None:
+            return
+        if proc.poll() is None:
+            if self.policy.is_up(SYNCER):  # else its syncer_up asks it
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGTERM)
+        elif SYNCER in self.expected_exit:  # its exit is handled: a restart is pending
+            self.start_syncer()
+
+    def interrupt(self, signum: int) -> None:
+        """For a SIGINT/SIGTERM handler (it only sets flags; the launcher's loop acts): the
+        first asks for a clean stop, the second for everything killed at once."""
+        if self.stop_signal is None:
+            self.stop_signal = signum
+        else:
+            self.abort = True
 
     # -- supervision ------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
@@ -318,9 +356,14 @@ class Launcher:
             while self.summary is None:
                 if self.now() > limit:
                     raise ConfigError("processes.max_wall_seconds", limit, "the run did not end")
+                self._check_signals()
+                if self.stop_requested and time.monotonic() > self.stop_deadline:
+                    self.summary = own_summary(self.seen, self.now())  # no syncer came
+                    break
                 self._pump(0.05)
                 self._supervise()
-            self._wait_learners(10.0)
+            if self.summary.get("summary_source") != "launcher":  # else nobody stops them
+                self._wait_learners(10.0)
         finally:
             self.shutdown()
             proxy = self.procs.get(PROXY)
@@ -331,6 +374,12 @@ class Launcher:
             self._pump(0.0)
         return self._totals(self.summary)
 
+    def _check_signals(self) -> None:
+        if self.abort:
+            raise KeyboardInterrupt  # run()'s cleanup kills every process group
+        if self.stop_signal is not None and not self.stop_requested:
+            self.request_stop()
+
     def _pump(self, timeout: float) -> None:
         while self._timers and self._timers[0][0] <= time.monotonic():
             heapq.heappop(self._timers)[2]()
@@ -339,6 +388,11 @@ class Launcher:
         except queue.Empty:
             return
         kind = record.get("kind")
+        self.policy.heard(name, str(kind))
+        if kind == "round":
+            self.seen["rounds"] += 1
+        elif kind == "eval":
+            self.seen["eval"] = record
         if kind == "summary" and name == SYNCER:
             self.summary = record
         elif kind == "syncer_up" and self.stop_requested:
@@ -353,25 +407,49 @@ class Launcher:
             hook(self, record)
 
     def _supervise(self) -> None:
+        """Judge every process that exited on its own (once per life): restart it after its
+        backoff delay, or raise :class:`LaunchError`. Its last events are relayed first, so
+        a syncer that ended with a summary is not taken for a crash."""
         for name, proc in list(self.procs.items()):
             code = proc.poll()
             if code is None or name in self.expected_exit or self.summary is not None:
                 continue
+            reader = self.readers.get(name)
+            if reader is not None:
+                reader.join(timeout=2.0)
+            while not self.events.empty() and self.summary is None:
+                self._pump(0.0)
+            if self.summary is not None:
+                return
+            if self.procs.get(name) is not proc:  # an event's hook started a new life
+                continue
             self.expected_exit.add(name)  # handled once
+            # a learner that is done or left (0), or that is not restarted (processes.restart
+            # off) unless it failed fatally: the run goes on without it
+            unrestarted = code == 0 or (not self.config.processes.restart and code != FATAL_EXIT)
+            if name.startswith("learner-") and unrestarted:
+                self._exited(name, code, None)
+                continue
+            verdict = self.policy.exited(name, code)
+            self._exited(name, code, verdict)
+            if verdict.give_up:
+                raise verdict.error(self.logs / f"{name}.log")
             self.restarts[name] = self.restarts.get(name, 0) + 1
-            delay = self.config.processes.restart_delay_seconds
-            self.emit({"kind": "exited", "t": self.now(), "process": name, "code": code})
             if name == SYNCER:
-                self.after(delay, self.start_syncer)
+                self.after(verdict.delay, self.start_syncer)
             elif name == PROXY:
-                self.after(delay, self.start_proxy)
-            elif self.config.processes.restart and code != 0:
+                self.after(verdict.delay, self.start_proxy)
+            else:
                 m = int(name.split("-")[1])
-                self.after(delay, functools.partial(self.start_learner, m, True))
+                self.after(verdict.delay, functools.partial(self.start_learner, m, True))
+
+    def _exited(self, name: str, code: int, verdict: Verdict | None) -> None:
+        """The ``exited`` record: the code, why (its log's last word), what happens next."""
+        self.emit(exited_record(name, code, verdict, self.logs / f"{name}.log", self.now()))
 
     def _wait_learners(self, seconds: float) -> None:
         deadline = time.monotonic() + seconds
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and not self.abort:
             if all(p.poll() is not None for n, p in self.procs.items() if n != PROXY):
                 break
             self._pump(0.05)
@@ -380,14 +458,18 @@ class Launcher:
             self._pump(0.0)
 
     def shutdown(self) -> None:
+        """Stop every child's process group (torchrun ranks included, see :meth:`signal`):
+        SIGTERM, then SIGKILL after 5 s or at once after a second signal (``abort``); then
+        remove the run's shared-memory directory."""
         self.finished.set()
         for name in self.procs:
             self.signal(name, signal.SIGCONT)  # a frozen child cannot die of SIGTERM
-            self.signal(name, signal.SIGTERM)
+            self.signal(name, signal.SIGKILL if self.abort else signal.SIGTERM)
+        deadline = time.monotonic() + 5.0
         for name, proc in self.procs.items():
-            try:
-                proc.wait(timeout=5.0)
-            except subprocess.TimeoutExpired:
+            while proc.poll() is None and time.monotonic() < deadline and not self.abort:
+                time.sleep(0.05)
+            if proc.poll() is None:
                 self.signal(name, signal.SIGKILL)
                 proc.wait()
         remove_run_directory(self.run_id)  # shared-memory slots of killed processes
@@ -396,7 +478,10 @@ class Launcher:
         assert summary is not None
         out = {k: v for k, v in summary.items() if k not in ("kind", "t")}
         tokens = max(int(out["tokens"]), 1)
+        out.setdefault("summary_source", "syncer")
         out.update(
+            stopped=self.stop_requested,
+            stop_signal=signal.Signals(self.stop_signal).name if self.stop_signal else None,
             method=self.method,
             runtime="processes",
             virtual_seconds=float(summary["t"]),  # wall seconds on this clock

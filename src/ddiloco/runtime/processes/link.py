@@ -69,6 +69,7 @@ class SyncerLink(threading.Thread):
         self.give_up = give_up_seconds
         self.fatal: str | None = None  # why this learner must stop (set once, by the thread)
         self.watch: HandshakeWatch | None = None
+        self.failed_handshakes = 0  # not for our credentials: a restart, or not a syncer
         self.last_welcome = time.monotonic()  # since when we have been without a syncer
         self.max_pending = max_pending
         self.backoff = Backoff(0.2, 2.0)
@@ -145,8 +146,10 @@ class SyncerLink(threading.Thread):
             assert self.watch is not None
             refused = self.watch.poll()
             if refused is not None:
-                self._fail(f"the syncer at {self.address} {refused.split(' ', 1)[1]}")
+                self._fail(f"the syncer at {refused}")
                 break
+            self.failed_handshakes += self.watch.failures
+            self.watch.failures = 0
             if self.sock.poll(20):
                 while True:
                     try:
@@ -162,11 +165,15 @@ class SyncerLink(threading.Thread):
                 self._reconnect()
             if self.registered and not self.welcomed.is_set():
                 if now - self.last_welcome > self.give_up:
+                    failed = self.failed_handshakes
+                    hint = (f"; {failed} handshakes failed: is it a ddiloco syncer of this "
+                            "version?") if failed else ""  # fmt: skip
                     self._fail(f"no syncer answered at {self.address} for {self.give_up:.0f}s "
                                "(not started, already finished, or unreachable); giving up "
-                               "(processes.give_up_seconds)")  # fmt: skip
+                               f"(processes.give_up_seconds){hint}")  # fmt: skip
             else:
                 self.last_welcome = now
+                self.failed_handshakes = 0
         self._disconnect()
 
     def _fail(self, why: str) -> None:
