@@ -275,9 +275,11 @@ class SyncerService:
         if inc != self.sessions.get(m):
             raise ConfigError("meta.inc", inc, "is not the session this learner signs with")
         if not self.restored and max(versions, default=0) > 0 and not any(self.syncer.versions):
-            why = (f"learner {m} holds fragment versions up to {max(versions)} but this "
-                   f"syncer's store {self.store.dir} is empty: was the syncer started with "
-                   "another --store, or was its store lost? Restore it, or start the run anew")
+            why = (
+                f"learner {m} holds fragment versions up to {max(versions)} but this "
+                f"syncer's store {self.store.dir} is empty: was the syncer started with "
+                "another --store, or was its store lost? Restore it, or start the run anew"
+            )
             self.refuse("refused_ahead", m, why)  # its answers could never merge: say so
             self.send(m, "refused", meta={"why": why})
             return
