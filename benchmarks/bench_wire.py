@@ -141,6 +141,12 @@ def client(kind: str, port: int, count: int, payloads: list[bytes]) -> float:
     return time.perf_counter() - start
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
 def handshakes(count: int, authenticated: bool) -> float:
     """Seconds per connection: connect, (authenticate), one round trip, close."""
     import threading
@@ -226,9 +232,9 @@ def main() -> None:
         print("grpc: skipped (pip install grpcio)")
         kinds.remove("grpc")
     rates: dict[str, list[float]] = {kind: [] for kind in kinds}
-    for r in range(args.repeat):  # cases interleaved, so a noisy moment hits all of them
-        for i, kind in enumerate(kinds):
-            rate = measure(kind, 39_000 + 10 * r + i + os.getpid() % 1000, args.count, payloads)
+    for _ in range(args.repeat):  # cases interleaved, so a noisy moment hits all of them
+        for kind in kinds:
+            rate = measure(kind, free_port(), args.count, payloads)
             if rate is None:
                 print(f"{kind}: server failed to start")
                 continue
