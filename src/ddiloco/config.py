@@ -20,6 +20,7 @@ from ddiloco.core.codec import CodecSpec
 from ddiloco.core.grace import GraceConfig
 from ddiloco.core.outer import OuterConfig
 from ddiloco.core.plans import STRATEGIES, FragmentPlan, build_plan, tensor_specs
+from ddiloco.core.robust import RobustConfig
 from ddiloco.core.rounds import RoundConfig
 from ddiloco.core.syncer_state import SyncerConfig
 from ddiloco.errors import require
@@ -83,12 +84,20 @@ class SyncConfig:
     codec: str = "bf16"  # learner -> syncer
     broadcast_codec: str = "bf16"  # syncer -> learners
     codec_block: int = 128
+    # robust merging (docs/security.md): weights from the ledger's credit, bounded norms
+    robust: bool = True
+    norm_clip: float = 4.0  # clip an answer to this x the median pace (norm/sqrt(steps))
+    norm_refuse: float = 32.0  # refuse one faster than this x that median
+    norm_window: int = 32  # recent merged paces per fragment the median is taken over
+    norm_warmup: int = 3  # samples before the median judges (the absurd bound holds always)
+    norm_absurd: float = 4.0  # refuse an answer longer than this x ||Theta_p||
 
     def __post_init__(self) -> None:
         require(self.strategy in STRATEGIES, "sync.strategy", self.strategy, f"known: {STRATEGIES}")
         require(0.0 <= self.blend < 1.0, "sync.blend", self.blend, "must be in [0, 1)")
         self.rounds()
         self.outer()
+        self.robust_config()
         self.codec_spec()
         self.broadcast_spec()
 
@@ -103,7 +112,11 @@ class SyncConfig:
         )
 
     def syncer_config(self) -> SyncerConfig:
-        return SyncerConfig(self.rounds(), self.merge_rule, self.outer())
+        return SyncerConfig(self.rounds(), self.merge_rule, self.outer(), self.robust_config())
+
+    def robust_config(self) -> RobustConfig:
+        return RobustConfig(self.robust, self.norm_clip, self.norm_refuse, self.norm_window,
+                            self.norm_warmup, self.norm_absurd)  # fmt: skip
 
     def rounds(self) -> RoundConfig:
         grace = GraceConfig(self.grace, self.grace_gamma, self.grace_cap_steps)

@@ -28,6 +28,7 @@ LEFT = "left"  # trained, not yet pushed, when the learner left (scavenged compu
 LOST_IN_FLIGHT = "lost_in_flight"  # pushed but never arrived (learner or link died mid-push)
 UNSYNCED_AT_END = "unsynced_at_end"  # still in the learner when the run ended
 IN_FLIGHT_AT_END = "in_flight_at_end"  # pushed, not merged, when the run ended
+OUTLIER = "outlier"  # answer refused: its delta's norm is out of bounds (core/robust.py)
 
 
 @dataclass
@@ -35,6 +36,8 @@ class _Answer:
     learner: int
     fragment: int
     tokens: int  # fragment-tokens this answer carries beyond earlier answers on the same base
+    credit_tokens: int = 0  # tokens since base the ledger had counted when it was recorded
+    credit_steps: int = 0  # ... and steps (0: unknown): they bound the answer's merge weight
 
 
 class TokenLedger:
@@ -45,6 +48,7 @@ class TokenLedger:
         self.num_fragments = num_fragments
         self._since_base: dict[tuple[int, int], int] = defaultdict(int)
         self._reserved: dict[tuple[int, int], int] = defaultdict(int)
+        self._steps_since: dict[tuple[int, int], int] = defaultdict(int)
         self._answers: dict[object, _Answer] = {}
         self.trained_tokens = 0
         self.trained_by_learner: dict[int, int] = defaultdict(int)
@@ -55,11 +59,18 @@ class TokenLedger:
     # -- learner side -----------------------------------------------------------------------
     def trained(self, learner: int, tokens: int) -> None:
         """The learner finished a step on ``tokens`` tokens."""
+        self.trained_steps(learner, tokens, 1)
+
+    def trained_steps(self, learner: int, tokens: int, steps: int) -> None:
+        """The learner finished ``steps`` steps on ``tokens`` tokens (a report covering
+        several). The steps bound the tokens-per-step rate a merge weight may claim."""
         require(tokens >= 0, "tokens", tokens, "must be >= 0")
+        require(steps >= 0, "steps", steps, "must be >= 0")
         self.trained_tokens += tokens
         self.trained_by_learner[learner] += tokens
         for p in range(self.num_fragments):
             self._since_base[(learner, p)] += tokens
+            self._steps_since[(learner, p)] += steps
 
     def answered(self, learner: int, fragment: int, key: object, c_tokens: int) -> int:
         """The learner snapshotted ``fragment`` with ``c_tokens`` tokens since its base.
@@ -73,7 +84,8 @@ class TokenLedger:
         new = c_tokens - self._reserved[(learner, fragment)]
         require(new >= 0, "c_tokens", c_tokens, "lower than an earlier answer on the same base")
         self._reserved[(learner, fragment)] = c_tokens
-        self._answers[key] = _Answer(learner, fragment, new)
+        steps = self._steps_since[(learner, fragment)]
+        self._answers[key] = _Answer(learner, fragment, new, since, steps)
         return new
 
     def rebased(self, learner: int, fragment: int) -> None:
@@ -83,6 +95,7 @@ class TokenLedger:
         self._waste(OVERWRITTEN, fragment, lost)
         self._since_base[(learner, fragment)] = 0
         self._reserved[(learner, fragment)] = 0
+        self._steps_since[(learner, fragment)] = 0
 
     def crashed(self, learner: int, reason: str = CRASH) -> None:
         """The learner died (or left): everything not yet pushed is lost for ``reason``;
@@ -91,6 +104,7 @@ class TokenLedger:
             self._waste(reason, p, self._since_base[(learner, p)] - self._reserved[(learner, p)])
             self._since_base[(learner, p)] = 0
             self._reserved[(learner, p)] = 0
+            self._steps_since[(learner, p)] = 0
 
     # -- syncer side ------------------------------------------------------------------------
     def merged_answer(self, key: object, weight: float) -> None:
@@ -117,6 +131,7 @@ class TokenLedger:
             self._waste(UNSYNCED_AT_END, p, since - self._reserved[(learner, p)])
             self._since_base[(learner, p)] = 0
             self._reserved[(learner, p)] = 0
+            self._steps_since[(learner, p)] = 0
 
     # -- plain-data state (a restarted syncer's durable record) -------------------------------
     def to_state(self) -> dict[str, Any]:
@@ -129,8 +144,10 @@ class TokenLedger:
             "trained_by_learner": [[m, t] for m, t in sorted(self.trained_by_learner.items())],
             "since_base": _cells(self._since_base),
             "reserved": _cells(self._reserved),
+            "steps_since_base": _cells(self._steps_since),
             "answers": [
-                [_plain_key(k), a.learner, a.fragment, a.tokens] for k, a in self._answers.items()
+                [_plain_key(k), a.learner, a.fragment, a.tokens, a.credit_tokens, a.credit_steps]
+                for k, a in self._answers.items()
             ],
             "merged": list(self.merged),
             "merged_weight": self.merged_weight,
@@ -148,10 +165,8 @@ class TokenLedger:
             wasted = {str(r): [_count(v) for v in vals] for r, vals in state["wasted"].items()}
             since = _uncells(state["since_base"], p)
             reserved = _uncells(state["reserved"], p)
-            answers = {
-                _tuple_key(k): _Answer(int(m), _fragment(f, p), _count(t))
-                for k, m, f, t in state["answers"]
-            }
+            steps = _uncells(state.get("steps_since_base", []), p)  # (absent in older states)
+            answers = {_tuple_key(row[0]): _answer(row, p) for row in state["answers"]}
             by_learner = {int(m): _count(t) for m, t in state["trained_by_learner"]}
             trained = _count(state["trained_tokens"])
             weight = float(state["merged_weight"])
@@ -163,6 +178,7 @@ class TokenLedger:
         self.trained_by_learner = defaultdict(int, by_learner)
         self._since_base = defaultdict(int, since)
         self._reserved = defaultdict(int, reserved)
+        self._steps_since = defaultdict(int, steps)
         self._answers = answers
         self.merged = merged
         self.merged_weight = weight
@@ -181,6 +197,18 @@ class TokenLedger:
         return self._since_base.get((learner, fragment), 0), self._reserved.get(
             (learner, fragment), 0
         )
+
+    def since_base(self, learner: int, fragment: int) -> tuple[int, int]:
+        """(fragment-tokens, steps) credited to the learner since its base on ``fragment``."""
+        cell = (learner, fragment)
+        return self._since_base.get(cell, 0), self._steps_since.get(cell, 0)
+
+    def credit(self, key: object) -> tuple[int, int] | None:
+        """(tokens, steps) since base the ledger vouched for when the open answer ``key`` was
+        recorded, which bound its merge weight; None if the ledger holds no such answer (it
+        refused the answer's counters, or never saw it)."""
+        answer = self._answers.get(key)
+        return None if answer is None else (answer.credit_tokens, answer.credit_steps)
 
     def is_open(self, key: object) -> bool:
         """True while the answer ``key`` is recorded and neither merged nor wasted."""
@@ -249,6 +277,16 @@ def _count(value: Any) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
         raise ValueError(f"token count {value!r}")
     return value
+
+
+def _answer(row: Any, num_fragments: int) -> _Answer:
+    """An open answer's row: key, learner, fragment, tokens[, credit tokens, credit steps]. A
+    row from before credits were kept vouches for its own new tokens only, steps unknown."""
+    if len(row) == 4:
+        _, m, f, t = row
+        return _Answer(int(m), _fragment(f, num_fragments), _count(t), _count(t), 0)
+    _, m, f, t, ct, cs = row
+    return _Answer(int(m), _fragment(f, num_fragments), _count(t), _count(ct), _count(cs))
 
 
 def _fragment(value: Any, num_fragments: int) -> int:

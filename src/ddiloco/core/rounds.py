@@ -77,6 +77,7 @@ class Verdict(Enum):
     STALE = "stale"  # base too old: dropped, its tokens wasted
     BASE_ALREADY_MERGED = "base_already_merged"  # would re-apply merged progress: dropped
     INVALID = "invalid"  # base version or round from the future: dropped
+    OUTLIER = "outlier"  # delta norm out of bounds (core/robust.py): refused, tokens wasted
 
 
 @dataclass
@@ -229,22 +230,33 @@ class RoundPolicy:
     # -- answers ----------------------------------------------------------------------------
     def on_answer(self, answer: AnswerMeta, now: float) -> Verdict:
         """Judge one answer that has fully arrived."""
-        answer.validate(self.num_fragments)
-        if answer.key in self.seen:
-            return Verdict.DUPLICATE
-        p = answer.fragment
-        if answer.base_version > self.versions[p] or answer.round_id >= self.next_round_id[p]:
+        verdict = self.screen(answer)
+        if verdict is not Verdict.DUPLICATE:
             self.seen.add(answer.key)
-            return Verdict.INVALID
-        self.seen.add(answer.key)
-        verdict = self._freshness(answer)
         if verdict is not Verdict.ACCEPTED:
             return verdict
+        p = answer.fragment
         rnd = self.open.get(p)
         if rnd is None:
             self.waiting.setdefault(p, {})[answer.key] = answer
             return Verdict.WAITING
         return self._admit(rnd, answer, now)
+
+    def screen(self, answer: AnswerMeta) -> Verdict:
+        """What :meth:`on_answer` would say about the answer's metadata, without recording
+        anything: DUPLICATE, INVALID, STALE, BASE_ALREADY_MERGED, or ACCEPTED (admissible)."""
+        answer.validate(self.num_fragments)
+        if answer.key in self.seen:
+            return Verdict.DUPLICATE
+        p = answer.fragment
+        if answer.base_version > self.versions[p] or answer.round_id >= self.next_round_id[p]:
+            return Verdict.INVALID
+        return self._freshness(answer)
+
+    def refuse(self, answer: AnswerMeta) -> None:
+        """The syncer refused an admissible answer on its content: it is seen (a re-push is a
+        duplicate) but joins no round."""
+        self.seen.add(answer.key)
 
     def _freshness(self, answer: AnswerMeta) -> Verdict:
         if self.versions[answer.fragment] - answer.base_version > self.config.max_staleness:

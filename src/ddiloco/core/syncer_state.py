@@ -3,21 +3,33 @@
 Both runtimes drive this one object: they feed it progress reports, decoded answers and the
 time, and send out what it returns (asks and merged fragments). It holds the global fragments
 Theta_p in fp32, one outer optimizer per fragment, the round policy and (optionally) the
-syncer-side half of the token ledger.
+syncer-side half of the token ledger. With ``robust`` on (the default) an answer is weighed by
+what the ledger credited, not what it claims, and its norm is bounded (core/robust.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
-from ddiloco.core.ledger import TokenLedger
+from ddiloco.core.ledger import OUTLIER, TokenLedger
 from ddiloco.core.merge import MERGE_RULES, merge, tensor_norms, token_weight
 from ddiloco.core.outer import OuterConfig, OuterOptimizer, make_outer_optimizer
 from ddiloco.core.plans import FragmentPlan, gather
+from ddiloco.core.robust import (
+    NormWindow,
+    RobustConfig,
+    answer_norm,
+    clip_scales,
+    credited_counters,
+    pace,
+    refusal,
+    scaled,
+)
 from ddiloco.core.rounds import (
     AnswerMeta,
     ClosedRound,
@@ -38,6 +50,7 @@ class SyncerConfig:
     rounds: RoundConfig = field(default_factory=RoundConfig)
     merge_rule: str = "rda"
     outer: OuterConfig = field(default_factory=OuterConfig)
+    robust: RobustConfig = field(default_factory=RobustConfig)
 
     def __post_init__(self) -> None:
         require(
@@ -95,6 +108,10 @@ class MergeResult:
     round: ClosedRound
     weights: dict[int, float]  # learner -> summed weight in this merge
     update_norm: float  # L2 norm of the merged outer gradient
+    # per answer (in round order): the factor its delta was scaled by (< 1: norm-clipped).
+    # A replay of the merge applies ``robust.scaled`` with it; the round's answers already
+    # carry the credited counters the weights came from.
+    scales: tuple[float, ...] = ()
 
 
 class SyncerState:
@@ -126,9 +143,12 @@ class SyncerState:
         self.ledger = ledger
         self.updates: dict[tuple[int, int, int], list[torch.Tensor]] = {}
         self.norms: dict[tuple[int, int, int], list[float]] = {}  # computed on arrival
+        self.paces: dict[tuple[int, int, int], float] = {}  # norm / sqrt(credited steps)
         largest = max(sum(t.numel() for t in frag) for frag in self.fragments)
         self._workspace = torch.empty(largest, dtype=torch.float32)  # reused by every merge
         self.counts: dict[str, int] = {}
+        self.norm_windows = [NormWindow(config.robust.norm_window) for _ in self.fragments]
+        self.param_norms = [answer_norm(tensor_norms(f)) for f in self.fragments]  # ||Theta_p||
 
     @property
     def versions(self) -> list[int]:
@@ -147,15 +167,51 @@ class SyncerState:
         """A learner's decoded answer: ``delta`` = theta_learner - Theta_base, per slice."""
         meta.validate(self.plan.num_fragments)
         self._check_delta(meta.fragment, delta)
+        norms: list[float] | None = None
+        rate = 0.0
+        if self.config.robust.enabled and self.policy.screen(meta) is Verdict.ACCEPTED:
+            meta, steps = self._credited(meta)
+            norms = tensor_norms(delta)  # while the data is hot in cache
+            p, length = meta.fragment, answer_norm(norms)
+            rate = pace(length, steps)
+            why = refusal(self.config.robust, length, steps, self.param_norms[p],
+                          self.norm_windows[p])  # fmt: skip
+            if why is not None:
+                self.policy.refuse(meta)
+                self._count(Verdict.OUTLIER.value)
+                self._count(f"outlier_{why}")
+                if self.ledger is not None:
+                    self.ledger.wasted_answer(meta.key, OUTLIER)
+                return Verdict.OUTLIER
         verdict = self.policy.on_answer(meta, now)
         self._count(verdict.value)
         if verdict in (Verdict.ACCEPTED, Verdict.WAITING):
             self.updates[meta.key] = list(delta)
-            self.norms[meta.key] = tensor_norms(delta)  # while the data is hot in cache
+            self.norms[meta.key] = norms if norms is not None else tensor_norms(delta)
+            if norms is not None:
+                self.paces[meta.key] = rate
         elif verdict is not Verdict.DUPLICATE and self.ledger is not None:
             self.ledger.wasted_answer(meta.key, verdict.value)
         self._apply_events()
         return verdict
+
+    def _credited(self, meta: AnswerMeta) -> tuple[AnswerMeta, int]:
+        """The answer with its counters capped by the ledger's credit (robust.credited_counters)
+        and the steps its pace is taken over (never more than the credited ones). The capped
+        counters travel on in the round, so weights, records and replays agree. The runtime
+        records the answer in the ledger first (``answered``); if the ledger refused its
+        counters, what it credited the learner since base at this moment bounds them."""
+        if self.ledger is None:
+            return meta, meta.c_steps  # nothing to check against (unit tests): claims stand
+        credit = self.ledger.credit(meta.key)
+        if credit is None:
+            credit = self.ledger.since_base(meta.learner, meta.fragment)
+        tokens, steps = credited_counters(meta.c_tokens, meta.c_steps, *credit)
+        pace_steps = min(steps, credit[1]) if credit[1] > 0 else steps
+        if (tokens, steps) == (meta.c_tokens, meta.c_steps):
+            return meta, pace_steps
+        self._count("capped")
+        return dataclasses.replace(meta, c_tokens=tokens, c_steps=steps), pace_steps
 
     def _check_delta(self, p: int, delta: Sequence[torch.Tensor]) -> None:
         expected = self.fragments[p]
@@ -174,12 +230,14 @@ class SyncerState:
             if isinstance(event, Supersession):
                 self.updates.pop(event.old, None)
                 self.norms.pop(event.old, None)
+                self.paces.pop(event.old, None)
                 self._count("superseded")
                 if self.ledger is not None:
                     self.ledger.superseded(event.old, event.new)
             elif isinstance(event, Dropped):
                 self.updates.pop(event.answer.key, None)
                 self.norms.pop(event.answer.key, None)
+                self.paces.pop(event.answer.key, None)
                 self._count(event.verdict.value)
                 if self.ledger is not None:
                     self.ledger.wasted_answer(event.answer.key, event.verdict.value)
@@ -199,6 +257,9 @@ class SyncerState:
         weights = [token_weight(a.c_tokens, a.c_steps) for a in closed.answers]
         deltas = [self.updates.pop(a.key) for a in closed.answers]
         norms = [self.norms.pop(a.key) for a in closed.answers]
+        scales = [1.0] * len(deltas)
+        if self.config.robust.enabled:
+            scales = self._clip(p, closed, weights, deltas, norms)
         per_learner: dict[int, float] = {}
         for a, w in zip(closed.answers, weights, strict=True):
             per_learner[a.learner] = per_learner.get(a.learner, 0.0) + w
@@ -211,7 +272,33 @@ class SyncerState:
             if self.ledger is not None:
                 self.ledger.merged_answer(a.key, w)
         self._count("merged_rounds")
-        return MergeResult(p, version, self.fragments[p], closed, per_learner, update_norm)
+        if self.config.robust.enabled:
+            self.param_norms[p] = answer_norm(tensor_norms(self.fragments[p]))
+        return MergeResult(p, version, self.fragments[p], closed, per_learner, update_norm,
+                           tuple(scales))  # fmt: skip
+
+    def _clip(
+        self,
+        p: int,
+        closed: ClosedRound,
+        weights: Sequence[float],
+        deltas: list[list[torch.Tensor]],
+        norms: list[list[float]],
+    ) -> list[float]:
+        """Scale the round's too-fast answers down in place of ``deltas``/``norms``
+        (robust.clip_scales), then add the round's paces to the fragment's window."""
+        window = self.norm_windows[p]
+        learners = [a.learner for a in closed.answers]
+        paces = [self.paces.pop(a.key) for a in closed.answers]
+        scales, added = clip_scales(self.config.robust, paces, learners, weights, window)
+        for i, s in enumerate(scales):
+            if s < 1.0:
+                deltas[i] = scaled(deltas[i], s)
+                norms[i] = tensor_norms(deltas[i])
+                self._count("clipped")
+        for n in added:
+            window.add(n)
+        return scales
 
     @torch.no_grad()
     def restore_fragment(
@@ -223,14 +310,19 @@ class SyncerState:
         next_round_id: int,
         applied: Collection[tuple[int, int, int]],
         merged_base: Mapping[tuple[int, int], int],
+        norm_window: Sequence[float] = (),
     ) -> None:
         """Load fragment ``p``'s durable state (a restarted syncer): values, outer optimizer,
-        version, round ids, and which answers were already merged, so none is merged twice."""
+        version, round ids, which answers were already merged, so none is merged twice, and
+        the norms of recent merges (``norm_windows[p].values``; empty: the bound warms up
+        again)."""
         shapes = [tuple(t.shape) for t in self.fragments[p]]
         require([tuple(t.shape) for t in values] == shapes, f"fragment-{p}", "shapes",
                 "do not match this model's plan")  # fmt: skip
         for dst, src in zip(self.fragments[p], values, strict=True):
             dst.copy_(src)
+        self.param_norms[p] = answer_norm(tensor_norms(self.fragments[p]))
+        self.norm_windows[p].load(norm_window)
         self.outer[p].load_state_dict(dict(outer_state))
         self.policy.versions[p] = version
         self.policy.next_round_id[p] = next_round_id
