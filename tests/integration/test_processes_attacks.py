@@ -20,7 +20,7 @@ from ddiloco.errors import FATAL_EXIT
 from ddiloco.runtime.processes.common import SECRET_ENV
 from ddiloco.runtime.processes.launcher import free_port
 from ddiloco.runtime.processes.setup import RunSetup
-from ddiloco.runtime.processes.wire import FLAG_SHM, PREFIX, VERSION, Wire
+from ddiloco.runtime.processes.wire import FLAG_SHM, PREFIX, VERSION, Wire, decode_update
 
 
 def progress(step: int, tokens: int = 64) -> dict:
@@ -231,3 +231,73 @@ def test_a_learner_refused_or_without_a_syncer_stops_at_once_naming_the_cause(tm
     assert "no syncer answered" in results["no syncer"][1]
     assert elapsed < 60  # seconds, not for ever
     assert summary["gatekeeper"]["refused_bad_credentials"] >= 2 and summary["tokens"] == 0
+
+
+def drive(learners, shapes, steps: range, delta_of) -> dict[int, list]:
+    """The insiders report ``steps`` and answer every ask with ``delta_of(m, fragment)``;
+    learner 1 claims 10^12 tokens in every report and answer. Returns the last value of each
+    fragment broadcast to learner 0 (decoded)."""
+    fragments: dict[int, list] = {}
+    for step in steps:
+        for m, learner in learners.items():
+            tokens = 10**12 if m == 1 else 256
+            meta = {"inc": learner.wire.session, "step": step, "tokens": tokens, "secs": 0.01,
+                    "rebased": []}  # fmt: skip
+            learner.send("progress", meta=meta)
+        time.sleep(0.05)
+        for m, learner in learners.items():
+            while (msg := learner.recv(0.05)) is not None:
+                f = msg.header.fragment
+                if msg.kind == "fragment" and m == 0:
+                    fragments[f] = [t.clone() for t in decode_update(msg.payload)]
+                if msg.kind != "ask":
+                    continue
+                learner.seq = getattr(learner, "seq", -1) + 1
+                meta = {"learner": m, "incarnation": learner.wire.session, "seq": learner.seq,
+                        "fragment": f, "round_id": msg.header.round, "base_version": 0,
+                        "local_step": step, "c_steps": 2,
+                        "c_tokens": 10**12 if m == 1 else 512}  # fmt: skip
+                payload = encode_tensors(delta_of(m, f), CodecSpec("fp32"))
+                learner.send("answer", fragment=f, round=msg.header.round, meta=meta,
+                             payload=payload)  # fmt: skip
+    return fragments
+
+
+def test_lies_about_tokens_and_huge_or_zero_deltas_neither_take_nor_freeze_the_merge(tmp_path):
+    syncer = SyncerProcess(tmp_path, ["train.batch_size=4", "sync.max_staleness=1000",
+                                      "sync.outer_momentum=0.0"])  # fmt: skip
+    setup = RunSetup(syncer.config)
+    per_step = 4 * setup.seq_len  # batch x sequence length: what one step can hold
+    initial = [[t.detach().clone() for t in gather(setup.plan, p, setup.initial)]
+               for p in range(2)]  # fmt: skip
+    honest = [[torch.full_like(t, 1e-3) for t in frag] for frag in initial]
+    learners = {m: Insider(syncer.address, m=m, session=5 + m) for m in (0, 1)}
+    scale = {"liar": 1e6}
+
+    def delta_of(m: int, f: int) -> list:
+        return honest[f] if m == 0 else [t * scale["liar"] for t in honest[f]]
+
+    try:
+        for learner in learners.values():
+            learner.register()
+        drive(learners, None, range(1, 13), delta_of)  # a delta a million times too long
+        scale["liar"] = 0.0
+        fragments = drive(learners, None, range(13, 37), delta_of)  # a zero delta
+        scale["liar"] = 1.0
+        drive(learners, None, range(37, 49), delta_of)  # a sane delta, claiming 10^12 tokens
+        summary = syncer.stop()
+    finally:
+        for learner in learners.values():
+            learner.close()
+        syncer.kill()
+    answers = summary["answers"]
+    assert answers.get("outlier_absurd", 0) >= 1 and answers.get("outlier_zero", 0) >= 1
+    assert summary["rounds"] > 0 and fragments  # the honest learner's answers still merge
+    for f, values in fragments.items():
+        moved = max(float((v - i).abs().max()) for v, i in zip(values, initial[f], strict=True))
+        assert all(bool(torch.isfinite(v).all()) for v in values)
+        assert 1e-5 < moved < 1.0  # moved by the honest answers, not frozen, not blown up
+    # 10^12 tokens claimed in every report, credited at most one step's worth per step
+    assert summary["tokens"] <= 2 * 48 * per_step
+    assert summary["service"]["progress_capped"] >= 1
+    assert answers.get("capped", 0) >= 1  # its merge weight: what was credited, not claimed

@@ -121,6 +121,7 @@ class TolerantLedger(TokenLedger):
         self.restored_open: set[object] = set()  # answers open in the snapshot
         self._early: dict[int, int] = {}  # tokens answers re-reported before the gap check
         self._held: list[tuple[object, float]] | None = None
+        self.max_missed = 1 << 62  # tokens one learner's restart gap may add (the service sets it)
 
     def _guard(self, fn: object, *args: object) -> None:
         try:
@@ -150,10 +151,18 @@ class TolerantLedger(TokenLedger):
                     self.rebased(learner, p, int(v))
 
     def reported(
-        self, learner: int, step: int, tokens: int, rebased: list[int], versions: list[int]
+        self,
+        learner: int,
+        step: int,
+        tokens: int,
+        rebased: list[int],
+        versions: list[int],
+        steps: int = 1,
     ) -> int:
         """A progress report (rebases first, then the step's tokens); returns the tokens it
-        counts, with those a restarted syncer missed (the steps since the last report)."""
+        counts, with those a restarted syncer missed (the steps since the last report, at
+        most :attr:`max_missed` tokens: the gap is the learner's claim). ``step`` and
+        ``tokens`` are what the syncer credited (core/credit.py), ``steps`` their steps."""
         for p in rebased:
             self.rebased(learner, p, versions[p] if 0 <= p < len(versions) else None)
         last, per_step = self.last_step.get(learner, (step, 0))
@@ -161,12 +170,13 @@ class TolerantLedger(TokenLedger):
         if learner in self.gap_check:  # the first report since a restart: steps it missed
             self.gap_check.discard(learner)
             early = self._early.pop(learner, 0)  # already re-reported by answers
-            missed = max(0, (step - last) * per_step - tokens - early)
+            missed = min(self.max_missed, max(0, (step - last) * per_step - tokens - early))
             self.restart["rereported"] += missed
         elif step > last and tokens > 0 and tokens % (step - last) == 0:
             per_step = tokens // (step - last)
         self.last_step[learner] = (max(step, last), per_step)
-        self.trained(learner, tokens + missed)
+        extra = missed // per_step if per_step else 0
+        self._guard(super().trained_steps, learner, tokens + missed, steps + extra)
         return tokens + missed
 
     def trained(self, learner: int, tokens: int) -> None:
@@ -187,6 +197,7 @@ class TolerantLedger(TokenLedger):
                 self.restart["stale_repushes"] += 1
                 self._guard(super().answered, learner, fragment, key, reserved)
                 return 0
+            c_tokens = min(c_tokens, since + self.max_missed)  # the claim is all there is
             if c_tokens > since:  # trained before the restart, reported to the lost life
                 self.restart["rereported"] += c_tokens - since
                 if learner in self.gap_check:

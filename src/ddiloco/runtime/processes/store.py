@@ -461,6 +461,7 @@ def record_of(
         applied=applied,
         merged_base={(lrn, inc): b for (lrn, inc, q), b in policy.merged_base.items() if q == p},
         ledger=ledger,
+        norm_window=list(syncer.norm_windows[p].values),
     )
 
 
@@ -474,7 +475,8 @@ def restore(syncer: SyncerState, records: dict[int, FragmentRecord]) -> tuple[in
             raise StoreError("fragment", p, f"the plan has {len(syncer.fragments)} fragments")
         try:
             syncer.restore_fragment(p, rec.values, rec.outer, rec.version, rec.next_round_id,
-                                    rec.applied, rec.merged_base)  # fmt: skip
+                                    rec.applied, rec.merged_base,
+                                    norm_window=rec.norm_window)  # fmt: skip
         except ConfigError as exc:
             raise StoreError(exc.field, exc.value, exc.why) from None
         step = max(step, rec.global_step)

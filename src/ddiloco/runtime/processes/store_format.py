@@ -18,7 +18,7 @@ import json
 import re
 import struct
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
@@ -58,6 +58,7 @@ class FragmentRecord:
     applied: list[Key]  # answer keys merged into this fragment
     merged_base: dict[tuple[int, int], int]  # (learner, incarnation) -> highest merged base
     ledger: dict[str, Any] | None = None  # the token ledger's plain state, with this merge
+    norm_window: list[float] = field(default_factory=list)  # robust merging's recent paces
 
 
 def fingerprint_of(setup: RunSetup) -> str:
@@ -121,6 +122,7 @@ def _fragment_bytes(record: FragmentRecord, seq: int) -> bytes:
         "outer": outer_meta,
         "applied": [list(k) for k in record.applied],
         "merged_base": [[lrn, inc, b] for (lrn, inc), b in sorted(record.merged_base.items())],
+        "norm_window": [float(v) for v in record.norm_window],
     }
     if record.ledger is not None:
         header["ledger"] = {"seq": seq, "state": record.ledger}
@@ -149,6 +151,7 @@ def _fragment_of(
             applied=[(a[0], a[1], a[2]) for a in header["applied"]],
             merged_base={(a[0], a[1]): a[2] for a in header["merged_base"]},
             ledger=snapshot["state"],
+            norm_window=[float(v) for v in header.get("norm_window", [])],
         ), snapshot["seq"]
     except StoreError:
         raise

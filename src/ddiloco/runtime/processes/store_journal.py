@@ -28,6 +28,7 @@ from ddiloco.core.codec import decode_tensors
 from ddiloco.core.merge import tensor_norms, token_weight
 from ddiloco.core.outer import make_outer_optimizer
 from ddiloco.core.plans import gather
+from ddiloco.core.robust import scaled
 from ddiloco.core.syncer_state import MergeResult, SyncerConfig, merge_step
 from ddiloco.runtime.processes.setup import RunSetup
 from ddiloco.runtime.processes.store_format import _CRC, _HEAD, Key, StoreError
@@ -183,6 +184,7 @@ def journal_header(result: MergeResult) -> dict[str, Any]:
             [a.learner, a.incarnation, a.seq, a.base_version, a.c_steps, a.c_tokens]
             for a in rnd.answers
         ],
+        "scales": list(result.scales),  # robust merging's clip factor of each answer
     }
 
 
@@ -210,6 +212,9 @@ def replay_journal(
         merged.update((a[0], a[1], a[2]) for a in answers)
         weights = [token_weight(a[5], a[4]) for a in answers]
         deltas = [decode_tensors(payload) for payload in payloads]
+        for i, s in enumerate(header.get("scales", [])):  # answers the merge clipped
+            if s < 1.0:
+                deltas[i] = scaled(deltas[i], s)
         norms = [tensor_norms(d) for d in deltas]
         merge_step(fragments[p], outers[p], deltas, weights, norms, config.merge_rule,
                    plain_mask[p], workspace)  # fmt: skip

@@ -38,6 +38,7 @@ import zmq
 
 from ddiloco.config import RunConfig
 from ddiloco.core.codec import encode_tensors
+from ddiloco.core.credit import StepBudget
 from ddiloco.core.ledger import CRASH, LEFT
 from ddiloco.core.rounds import UNSOLICITED, AnswerMeta, Verdict
 from ddiloco.core.syncer_state import MergeResult, SyncerState
@@ -140,6 +141,13 @@ class SyncerService:
         self.rehellos: dict[int, float] = {}  # learner -> when it was last told to rehello
         self.say = RateLimitedLog(log)
         self.evaluator = Evaluator(setup, events)
+        # what one step of a learner can hold, and how fast steps may be credited
+        self.tokens_per_step = (self.config.train.batch_size * setup.seq_len
+                                * self.config.processes.ranks)  # fmt: skip
+        self.budget = StepBudget()
+        self.budget_lives: dict[int, int] = {}  # learner -> the life its budget is of
+        self.ledger.max_missed = int(self.tokens_per_step * self.budget.bootstrap_rate
+                                     * self.budget.horizon)  # fmt: skip
         self.lives: dict[int, int] = {}  # learner -> incarnation it registered with
         self.addresses: dict[int, str] = {}  # learner -> peer-recovery address
         self.last_heard: dict[int, float] = {}
@@ -290,6 +298,10 @@ class SyncerService:
             self.down_seconds += now - self.down_since.pop(m)
         self.lives[m] = inc
         self.addresses[m] = hello.peer
+        if self.budget_lives.get(m) != inc:  # a life the budget has not seen: from where
+            self.budget_lives[m] = inc  # the ledger counted it (a restored life), or its first
+            restored = m in self.ledger.spans_restart  # report's tokens (a new one)
+            self.budget.join(m, self.ledger.last_step[m][0] if restored else None, now)
         asks = self.syncer.policy.join(m, step)
         self.send(m, "welcome", meta={"global_step": self.syncer.policy.global_step,
                                       "versions": list(self.syncer.versions)})  # fmt: skip
@@ -316,10 +328,17 @@ class SyncerService:
         if m not in self.syncer.policy.progress or self.lives.get(m) != report.incarnation:
             self.send(m, "rehello")
             return
-        self.tokens += self.ledger.reported(m, report.step, report.tokens, report.rebased,
-                                            self.syncer.versions)  # fmt: skip
         now = self.events.now()
-        for rnd in self.syncer.on_progress(m, report.step, now, report.seconds):
+        steps, tokens = self.budget.credit(m, report.step, report.tokens, self.tokens_per_step,
+                                           now)  # fmt: skip
+        step = self.budget.step_of(m) or 0  # the credited step, not the claim
+        if step < report.step or tokens < report.tokens:
+            self.counts["progress_capped"] += 1  # claimed more than it may be credited
+        self.tokens += self.ledger.reported(m, step, tokens, report.rebased,
+                                            self.syncer.versions, steps)  # fmt: skip
+        if not steps:
+            return
+        for rnd in self.syncer.on_progress(m, step, now, report.seconds):
             for a in sorted(rnd.asked):
                 self.send(a, "ask", fragment=rnd.fragment, round=rnd.round_id)
 
