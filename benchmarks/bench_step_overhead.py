@@ -105,7 +105,7 @@ def main() -> None:
         learner.link.close(0.0)
         learner.server.close()
     finally:
-        syncer.terminate()
+        syncer.kill()  # (a SIGTERM would make it evaluate once more: minutes for big models)
         syncer.wait(timeout=30)
     m_off, m_on = statistics.median(off), statistics.median(on)
     print(f"model {args.model}, batch {args.batch}, P = H = {args.fragments}, "
