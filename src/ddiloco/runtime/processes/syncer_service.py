@@ -9,7 +9,7 @@ ledger) is the core's. One thread, one socket: nothing here waits on a learner.
 
 Who may talk (docs/security.md): the socket is a PLAIN server behind a :class:`Gatekeeper`,
 so only a holder of the run secret completes a handshake, as the learner its credentials
-name; a frame is then decoded only if the frame's sender is that learner, and a learner's
+name; a frame is then acted on only if its signed sender is that learner, and a learner's
 route is the connection its latest authenticated frame came on (no routing id can be taken
 over). Every frame names the receiver's session (``to``): one addressed to an earlier syncer
 life (or a first hello, which knows none) gets a ``rehello`` carrying this life's session,
@@ -17,9 +17,12 @@ and nothing else happens, so a frame captured before a restart is never acted on
 handler's metadata is checked by :mod:`.messages` first; a malformed message is refused,
 counted and logged (rate-limited), never an exception out of the loop.
 
-Learner -> syncer: hello, peers, progress, answer, bye. Syncer -> learner: welcome, peers,
-rehello (it does not know this learner life: say hello again and re-push), ask, fragment
-(a merged fragment, with the answer keys it merged), verdict (an answer dropped), beat, stop.
+Learner -> syncer: hello, peers, progress, answer, inline (it cannot read our /dev/shm),
+bye. Syncer -> learner: welcome, peers, rehello (this syncer life's session; it does not
+know this learner life: say hello again and re-push), ask, fragment (a merged fragment, with
+the answer keys it merged), verdict (an answer dropped), beat, no_shm (send inline),
+refused (this learner cannot take part: it stops, saying why), stop. Progress is credited
+by a step budget (core/credit.py), never beyond what the elapsed time allows.
 """
 
 from __future__ import annotations
