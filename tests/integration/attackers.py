@@ -119,6 +119,11 @@ class Insider:
                 return msg
         raise AssertionError(f"no {kind} within {timeout}s")
 
+    def sync(self) -> None:
+        """Wait until the syncer has handled everything sent so far (it answers in order)."""
+        self.send("peers")
+        self.expect("peers")
+
     def register(self, fragments: int = 2) -> Message:
         hello = {"inc": self.wire.session, "step": 0, "versions": [0] * fragments}
         self.send("hello", meta=hello)  # knows no syncer session yet: told to rehello

@@ -62,6 +62,7 @@ def test_peers_without_the_secret_get_nothing_crash_nothing_and_displace_nobody(
                 except zmq.Again:  # nothing queues: no connection was ever accepted
                     break
         learner.send("progress", meta=progress(1))
+        learner.sync()
         assert learner.expect("beat", 3.0).header.meta["live"]  # learner 0 is still heard
         assert all(not sock.poll(200) for sock in attackers)  # ...and the attackers hear nothing
         assert syncer.proc.poll() is None
@@ -107,7 +108,7 @@ def test_an_unterminated_multipart_message_and_a_flood_grow_the_syncer_by_little
                     pass
         growth = rss_bytes(syncer.proc.pid) - before
         learner.send("progress", meta=progress(2))
-        learner.expect("beat", 3.0)
+        learner.sync()
         summary = syncer.stop()
     finally:
         learner.close()
@@ -147,7 +148,7 @@ def test_malformed_metadata_from_an_insider_is_refused_counted_and_logged(tmp_pa
             node = node[0]
         learner.send("progress", meta={"inc": 5, "step": 2, "x": deep})
         learner.send("progress", meta=progress(1))  # and then an honest report
-        learner.expect("beat", 3.0)
+        learner.sync()
         assert syncer.proc.poll() is None
         summary = syncer.stop()
     finally:
