@@ -49,7 +49,7 @@ def service(tmp_path_factory):
     yield svc
     svc.sock.close(0)
     svc.gate.close()
-    svc.monitor.close(0)
+    svc.handshakes.close()
 
 
 @settings(

@@ -268,3 +268,40 @@ class HandshakeWatch:
         with contextlib.suppress(zmq.ZMQError):
             self.sock.disable_monitor()
         self.mon.close(0)
+
+
+SERVER_EVENTS: dict[int, str] = {
+    int(zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL): "handshake_failed_protocol",  # no credentials
+    int(zmq.EVENT_HANDSHAKE_FAILED_AUTH): "handshake_failed_auth",  # the gatekeeper said no
+    int(zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL): "handshake_failed",
+    int(zmq.EVENT_DISCONNECTED): "disconnected",
+}
+
+
+class HandshakeCounter:
+    """A server's side of :class:`HandshakeWatch`: counts (and says, rate-limited) the
+    connections libzmq refused before any message. A peer with no credentials at all fails
+    there, before the gatekeeper sees it, so without this its refusal would go uncounted.
+    Make it before the socket binds; :meth:`drain` now and then, :meth:`close` before the
+    socket is closed."""
+
+    def __init__(self, sock: zmq.Socket[bytes], counts: dict[str, int], say: RateLimitedLog):
+        self.sock = sock
+        self.counts = counts
+        self.say = say
+        self.mon = sock.get_monitor_socket(sum(SERVER_EVENTS))
+
+    def drain(self) -> None:
+        from zmq.utils.monitor import recv_monitor_message
+
+        while self.mon.poll(0):
+            event = recv_monitor_message(self.mon)
+            name = SERVER_EVENTS.get(int(event["event"]), "handshake_failed")
+            self.counts[name] = self.counts.get(name, 0) + 1
+            if name != "disconnected":
+                self.say(name, "refused a connection: %s (%s)", name, event["value"])
+
+    def close(self) -> None:
+        with contextlib.suppress(zmq.ZMQError):
+            self.sock.disable_monitor()
+        self.mon.close(0)

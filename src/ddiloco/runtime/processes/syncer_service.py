@@ -47,7 +47,12 @@ from ddiloco.core.rounds import UNSOLICITED, AnswerMeta, Verdict
 from ddiloco.core.syncer_state import MergeResult, SyncerState
 from ddiloco.errors import ConfigError, DDiLoCoError
 from ddiloco.runtime.processes import messages
-from ddiloco.runtime.processes.auth import Gatekeeper, learner_of, serve_plain
+from ddiloco.runtime.processes.auth import (
+    Gatekeeper,
+    HandshakeCounter,
+    learner_of,
+    serve_plain,
+)
 from ddiloco.runtime.processes.common import Events, Socket, configure, new_session
 from ddiloco.runtime.processes.evaluator import Evaluator
 from ddiloco.runtime.processes.ratelog import RateLimitedLog
@@ -66,15 +71,6 @@ log = logging.getLogger(__name__)
 
 BEAT_SECONDS = 0.5
 REHELLO_SECONDS = 0.25  # at most one rehello per learner this often
-
-
-MONITORED_NAMES: dict[int, str] = {
-    int(zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL): "handshake_failed_protocol",  # no credentials
-    int(zmq.EVENT_HANDSHAKE_FAILED_AUTH): "handshake_failed_auth",  # the gatekeeper said no
-    int(zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL): "handshake_failed",
-    int(zmq.EVENT_DISCONNECTED): "disconnected",
-}
-MONITORED = sum(MONITORED_NAMES)
 
 
 class SyncerService:
@@ -137,12 +133,13 @@ class SyncerService:
         configure(self.sock, self.limits)
         serve_plain(self.sock)
         self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self.monitor = self.sock.get_monitor_socket(MONITORED)  # refusals inside libzmq
+        self.counts: dict[str, int] = defaultdict(int)
+        self.say = RateLimitedLog(log)
+        self.handshakes = HandshakeCounter(self.sock, self.counts, self.say)  # before the bind
         self.sock.bind(f"tcp://{bind}")
         self.routes: dict[int, bytes] = {}  # learner -> its authenticated connection
         self.sessions: dict[int, int] = {}  # learner -> the session its frames come from
         self.rehellos: dict[int, float] = {}  # learner -> when it was last told to rehello
-        self.say = RateLimitedLog(log)
         self.evaluator = Evaluator(setup, events)
         # what one step of a learner can hold, and how fast steps may be credited
         self.tokens_per_step = (self.config.train.batch_size * setup.seq_len
@@ -163,7 +160,6 @@ class SyncerService:
         self.bytes_received = 0
         self.inline: set[int] = set()  # learners that cannot read our /dev/shm slots
         self.resent: dict[tuple[int, int], float] = {}  # (learner, fragment) -> when
-        self.counts: dict[str, int] = defaultdict(int)
         self.next_eval = self.tokens
         self.last_beat = 0.0
         self.stop = stop or threading.Event()  # set (SIGTERM): end the run now, with a summary
@@ -192,7 +188,7 @@ class SyncerService:
             now = self.events.now()
             if now - self.last_beat >= BEAT_SECONDS:
                 self.last_beat = now
-                self.count_handshakes()
+                self.handshakes.drain()
                 self.check_liveness(now)
                 self.store.save_ledger(self.ledger.to_state())  # narrows what a crash loses
                 for m in list(self.lives):
@@ -200,18 +196,6 @@ class SyncerService:
             if self.tokens >= self.next_eval:
                 self.evaluate()
         return self.finish()
-
-    def count_handshakes(self) -> None:
-        """Count (and say, rate-limited) the connections libzmq refused before any message:
-        a peer without credentials fails the handshake there, before the gatekeeper."""
-        from zmq.utils.monitor import recv_monitor_message
-
-        while self.monitor.poll(0):
-            event = recv_monitor_message(self.monitor)
-            name = MONITORED_NAMES.get(int(event["event"]), "handshake_failed")
-            self.counts[name] += 1
-            if name != "disconnected":
-                self.say(name, "syncer: refused a connection: %s (%s)", name, event["value"])
 
     def is_member(self, name: str) -> bool:
         """Which names may connect: the run's learner slots."""
@@ -491,7 +475,7 @@ class SyncerService:
         self.next_eval = self.tokens + self.config.train.eval_every
 
     def finish(self) -> dict[str, Any]:
-        self.count_handshakes()
+        self.handshakes.drain()
         now = self.events.now()
         self.account_uptime(now)
         for m in list(self.lives):
@@ -535,8 +519,7 @@ class SyncerService:
             time.sleep(0.1)
             for m in list(self.lives):
                 self.send(m, "stop")
-        self.sock.disable_monitor()
-        self.monitor.close(0)
+        self.handshakes.close()
         self.sock.close(0)
         self.gate.close()
         self.ctx.term()
