@@ -497,10 +497,3 @@ class Launcher:
         if self.faults is not None:
             out["proxy"] = self.proxy_counts
         return out
-
-
-def run_processes(
-    config: RunConfig, method: str, out: Path, emit: Callable[[dict[str, Any]], None]
-) -> dict[str, Any]:
-    """One method of ``config`` as real processes; the summary the simulated engine writes."""
-    return Launcher(config, method, out, emit).run()
