@@ -32,7 +32,7 @@ from ddiloco.config import load_config, to_toml
 from ddiloco.runtime.processes.common import SECRET_ENV, Events
 from ddiloco.runtime.processes.launcher import free_port
 from ddiloco.runtime.processes.learner_process import LearnerProcess
-from ddiloco.runtime.processes.setup import RunSetup
+from ddiloco.runtime.run import RunSetup
 
 
 def main() -> None:

@@ -68,9 +68,9 @@ def fragmentation(tokens: int) -> list[Run]:
     base = [f"train.tokens={tokens}", f"train.eval_every={tokens // 5}", "chaos=[]",
             "methods=['decoupled']", "sync.fragments=6", "sync.sync_every=12"]  # fmt: skip
     return [
-        ("balanced", [*base, "sync.strategy=balanced"]),
-        ("layer", [*base, "sync.strategy=layer", "sync.split_rows=false"]),
-        ("tensor", [*base, "sync.strategy=tensor", "sync.split_rows=false"]),
+        ("balanced", [*base, "sync.partition=balanced"]),
+        ("layer", [*base, "sync.partition=layer", "sync.split_rows=false"]),
+        ("tensor", [*base, "sync.partition=tensor", "sync.split_rows=false"]),
     ]
 
 

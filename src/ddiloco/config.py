@@ -19,7 +19,7 @@ from ddiloco.chaos.plan import ChaosEvent, ChaosGenerators
 from ddiloco.core.codec import CodecSpec
 from ddiloco.core.grace import GraceConfig
 from ddiloco.core.outer import OuterConfig
-from ddiloco.core.plans import STRATEGIES, FragmentPlan, build_plan, tensor_specs
+from ddiloco.core.plans import PARTITIONS, FragmentPlan, build_plan, tensor_specs
 from ddiloco.core.robust import RobustConfig
 from ddiloco.core.rounds import RoundConfig
 from ddiloco.core.syncer_state import SyncerConfig
@@ -63,11 +63,11 @@ class TrainConfig:
 
 @dataclass(frozen=True)
 class SyncConfig:
-    """The Decoupled DiLoCo algorithm's knobs (DESIGN §3)."""
+    """The Decoupled DiLoCo algorithm's knobs (docs/design.md §3, defaults §9)."""
 
     fragments: int = 12  # P
     sync_every: int = 12  # H
-    strategy: str = "balanced"
+    partition: str = "balanced"  # how parameters split into fragments
     split_rows: bool = True
     overlap: int = 2  # tau
     quorum: int = 1  # K
@@ -79,7 +79,9 @@ class SyncConfig:
     merge_rule: str = "rda"
     outer_lr: float = 0.5
     outer_momentum: float = 0.9
-    mean_outer_lr: float = 0.7  # outer lr of the plain-mean baselines (DESIGN §3.2)
+    outer_optimizer: str = "nesterov"  # nesterov, sgd, delayed_nesterov (core/outer.py)
+    outer_delay: int = 1  # delayed_nesterov: momentum refreshed every this many outer steps
+    mean_outer_lr: float = 0.7  # outer lr of the plain-mean baselines (docs/design.md §3.9)
     diloco_inner_steps: int = 12  # H of the DiLoCo baseline
     codec: str = "bf16"  # learner -> syncer
     broadcast_codec: str = "bf16"  # syncer -> learners
@@ -93,7 +95,7 @@ class SyncConfig:
     norm_absurd: float = 4.0  # refuse an answer longer than this x ||Theta_p||
 
     def __post_init__(self) -> None:
-        require(self.strategy in STRATEGIES, "sync.strategy", self.strategy, f"known: {STRATEGIES}")
+        require(self.partition in PARTITIONS, "sync.partition", self.partition, f"known: {PARTITIONS}")
         require(0.0 <= self.blend < 1.0, "sync.blend", self.blend, "must be in [0, 1)")
         self.rounds()
         self.outer()
@@ -106,9 +108,9 @@ class SyncConfig:
         return build_plan(
             tensor_specs(model),
             self.fragments,
-            self.strategy,
+            self.partition,
             sync_every=self.sync_every,
-            split_rows=self.split_rows and self.strategy == "balanced",
+            split_rows=self.split_rows and self.partition == "balanced",
         )
 
     def syncer_config(self) -> SyncerConfig:
@@ -123,7 +125,8 @@ class SyncConfig:
         return RoundConfig(self.quorum, self.max_staleness, self.overlap, grace)
 
     def outer(self) -> OuterConfig:
-        return OuterConfig("nesterov", self.outer_lr, self.outer_momentum)
+        return OuterConfig(self.outer_optimizer, self.outer_lr, self.outer_momentum,
+                           self.outer_delay)  # fmt: skip
 
     def codec_spec(self) -> CodecSpec:
         return CodecSpec(self.codec, self.codec_block)

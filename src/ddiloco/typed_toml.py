@@ -17,6 +17,9 @@ from typing import Any
 from ddiloco.errors import ConfigError
 
 
+# Keys that were renamed: an old config gets the new name in its error, not a bare refusal.
+RENAMED = {"sync.strategy": "sync.partition"}
+
 def read_toml(path: str | Path) -> dict[str, Any]:
     """A TOML file as a dict, or a ConfigError naming the file."""
     try:
@@ -55,7 +58,9 @@ def build(cls: type, data: Any, prefix: str = "") -> Any:
     names = {f.name for f in dataclasses.fields(cls)}
     for key in data:
         if key not in names:
-            raise ConfigError(f"{prefix}{key}", data[key], f"unknown key; known: {sorted(names)}")
+            renamed = RENAMED.get(f"{prefix}{key}")
+            why = f"renamed to {renamed}" if renamed else f"unknown key; known: {sorted(names)}"
+            raise ConfigError(f"{prefix}{key}", data[key], why)
     kwargs = {k: coerce(hints[k], v, f"{prefix}{k}") for k, v in data.items()}
     return cls(**kwargs)
 

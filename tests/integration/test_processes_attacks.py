@@ -19,7 +19,7 @@ from ddiloco.core.plans import gather
 from ddiloco.errors import FATAL_EXIT
 from ddiloco.runtime.processes.common import SECRET_ENV
 from ddiloco.runtime.processes.launcher import free_port
-from ddiloco.runtime.processes.setup import RunSetup
+from ddiloco.runtime.run import RunSetup
 from ddiloco.runtime.processes.wire import FLAG_SHM, PREFIX, VERSION, Wire, decode_update
 
 

@@ -10,8 +10,8 @@ import pytest
 from ddiloco.commands.train import train
 from ddiloco.config import RunConfig, load_config
 from ddiloco.data.corpus import eval_batches, split_corpus
+from ddiloco.runtime.run import RunSetup
 from ddiloco.runtime.sim.engine import FragmentSim
-from ddiloco.strategies import decoupled
 
 BASE = [
     "model='gpt-tiny'",
@@ -35,7 +35,8 @@ def _run(splits, *overrides: str) -> tuple[dict[str, Any], list[dict[str, Any]]]
     config: RunConfig = load_config(None, [*BASE, *overrides])
     records: list[dict[str, Any]] = []
     evals = eval_batches(splits.eval, 64, 4, 1)
-    summary = FragmentSim(config, decoupled(config), splits, evals, records.append).run()
+    setup = RunSetup(config, "decoupled", splits_given=splits, evals_given=evals)
+    summary = FragmentSim(setup, records.append).run()
     return summary, records
 
 

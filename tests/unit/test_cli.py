@@ -20,10 +20,10 @@ def test_plan_json_has_the_promised_fields(capsys):
 
 
 def test_plan_table_for_people(capsys):
-    assert main(["plan", "--model", "gpt-tiny", "--fragments", "3", "--strategy", "layer"]) == 0
+    assert main(["plan", "--model", "gpt-tiny", "--fragments", "3", "--partition", "layer"]) == 0
     out = capsys.readouterr().out
     assert "imbalance (max/mean fragment bytes)" in out
-    assert "strategy layer, P=3" in out
+    assert "partition layer, P=3" in out
 
 
 def test_plan_accepts_any_module_function(tmp_path, monkeypatch, capsys):
@@ -52,7 +52,7 @@ def test_bad_input_is_a_clear_error_not_a_traceback(argv, needle, capsys):
     assert needle in err and "Traceback" not in err
 
 
-def test_unknown_strategy_is_refused_by_argparse(capsys):
+def test_unknown_partition_is_refused_by_argparse(capsys):
     with pytest.raises(SystemExit):
-        main(["plan", "--strategy", "random"])
+        main(["plan", "--partition", "random"])
     assert "invalid choice" in capsys.readouterr().err

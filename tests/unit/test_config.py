@@ -37,7 +37,7 @@ def test_shipped_configs_load_and_round_trip_through_toml(tmp_path, name):
         ("train.learners=0", "train.learners"),
         ("sync.quorum=9", "sync.quorum"),
         ("sync.codec=int3", "codec"),
-        ("sync.strategy=random", "sync.strategy"),
+        ("sync.partition=random", "sync.partition"),
         ("train.tokens=lots", "train.tokens"),
         ("hardware.speed=[1, 2]", "hardware.speed"),
         ("methods=['magic']", "methods"),

@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from torch import nn
 
 from ddiloco.core.plans import (
-    STRATEGIES,
+    PARTITIONS,
     FragmentPlan,
     TensorSpec,
     build_plan,
@@ -94,13 +94,15 @@ def coverage_by_gather(plan: FragmentPlan, specs: list[TensorSpec]) -> None:
         assert torch.all(t == 1), name
 
 
-def build_or_none(specs: list[TensorSpec], p: int, strategy: str, **kw: Any) -> FragmentPlan | None:
+def build_or_none(
+    specs: list[TensorSpec], p: int, partition: str, **kw: Any
+) -> FragmentPlan | None:
     """Build, or check that the only refusal is 'too few pieces/groups for P'."""
     try:
-        return build_plan(specs, p, strategy, **kw)
+        return build_plan(specs, p, partition, **kw)
     except ConfigError as e:
         assert e.field == "num_fragments"
-        if strategy == "layer":
+        if partition == "layer":
             assert p > len({layer_key(s.name) for s in specs})
         else:  # tensors, or balanced pieces (row splitting only adds pieces)
             assert p > len(specs)
@@ -137,13 +139,13 @@ def opt_makespan(sizes: list[int], p: int) -> int:
 
 @SETTINGS
 @given(
-    specs=spec_lists(), p=st.integers(1, 7), strategy=st.sampled_from(STRATEGIES), data=st.data()
+    specs=spec_lists(), p=st.integers(1, 7), partition=st.sampled_from(PARTITIONS), data=st.data()
 )
 def test_every_element_covered_exactly_once(
-    specs: list[TensorSpec], p: int, strategy: str, data: st.DataObject
+    specs: list[TensorSpec], p: int, partition: str, data: st.DataObject
 ) -> None:
-    split = strategy == "balanced" and data.draw(st.booleans())
-    plan = build_or_none(specs, p, strategy, split_rows=split)
+    split = partition == "balanced" and data.draw(st.booleans())
+    plan = build_or_none(specs, p, partition, split_rows=split)
     if plan is None:
         return
     assert plan.num_fragments == p
@@ -159,17 +161,17 @@ def test_every_element_covered_exactly_once(
 
 @SETTINGS
 @given(
-    specs=spec_lists(), p=st.integers(1, 7), strategy=st.sampled_from(STRATEGIES), data=st.data()
+    specs=spec_lists(), p=st.integers(1, 7), partition=st.sampled_from(PARTITIONS), data=st.data()
 )
 def test_plans_are_deterministic(
-    specs: list[TensorSpec], p: int, strategy: str, data: st.DataObject
+    specs: list[TensorSpec], p: int, partition: str, data: st.DataObject
 ) -> None:
-    split = strategy == "balanced" and data.draw(st.booleans())
-    plan = build_or_none(specs, p, strategy, split_rows=split)
+    split = partition == "balanced" and data.draw(st.booleans())
+    plan = build_or_none(specs, p, partition, split_rows=split)
     if plan is None:
         return
     again = build_plan(
-        [TensorSpec(s.name, s.shape, s.itemsize) for s in specs], p, strategy, split_rows=split
+        [TensorSpec(s.name, s.shape, s.itemsize) for s in specs], p, partition, split_rows=split
     )
     assert again == plan
     assert json.dumps(again.to_dict()) == json.dumps(plan.to_dict())
@@ -246,19 +248,19 @@ def test_split_rows_bound(specs: list[TensorSpec], p: int) -> None:
 @given(
     specs=spec_lists(),
     p=st.integers(1, 6),
-    strategy=st.sampled_from(STRATEGIES),
+    partition=st.sampled_from(PARTITIONS),
     h_extra=st.integers(-5, 8),
     data=st.data(),
 )
 def test_schedule_lists_every_fragment_once_per_period(
-    specs: list[TensorSpec], p: int, strategy: str, h_extra: int, data: st.DataObject
+    specs: list[TensorSpec], p: int, partition: str, h_extra: int, data: st.DataObject
 ) -> None:
     h = max(1, p + h_extra)
     explicit = data.draw(st.booleans())
     offsets = (
         data.draw(st.lists(st.integers(0, h - 1), min_size=p, max_size=p)) if explicit else None
     )
-    plan = build_or_none(specs, p, strategy, sync_every=h, offsets=offsets)
+    plan = build_or_none(specs, p, partition, sync_every=h, offsets=offsets)
     if plan is None:
         return
     assert plan.sync_every == h
@@ -327,7 +329,7 @@ def test_tensor_specs_model_order_and_tied_weights() -> None:
     assert e.value.field == "named"
 
 
-def test_layer_strategy_groups_per_block() -> None:
+def test_layer_partition_groups_per_block() -> None:
     assert layer_key("blocks.3.attn.w") == "blocks.3"
     assert layer_key("tok_emb.weight") == "tok_emb"
     assert layer_key("ln_f.bias") == "ln_f"
@@ -350,7 +352,7 @@ def test_layer_strategy_groups_per_block() -> None:
     assert e.value.field == "num_fragments" and "5" in str(e.value)
 
 
-def test_tensor_strategy_round_robin() -> None:
+def test_tensor_partition_round_robin() -> None:
     specs = tensor_specs(Tiny())
     plan = build_plan(specs, 4, "tensor")
     for i, s in enumerate(specs):
@@ -382,7 +384,8 @@ def gpt_specs(layers: int = 4, d: int = 128, vocab: int = 256, ctx: int = 256) -
 
 
 def test_split_rows_fixes_small_model_imbalance() -> None:
-    """DESIGN §3.3: 24 fragments of a 4-layer ~0.8M GPT are badly skewed unless rows split."""
+    """docs/design.md §3.1: 24 fragments of a 4-layer ~0.8M GPT are badly skewed unless rows
+    split."""
     specs = gpt_specs()
     whole = build_plan(specs, 24, "balanced")
     split = build_plan(specs, 24, "balanced", split_rows=True)
@@ -485,7 +488,7 @@ SPECS = [TensorSpec("a", (4,), 4), TensorSpec("b", (2, 2), 4), TensorSpec("c", (
         (lambda: build_plan(SPECS, True), "num_fragments"),
         (lambda: build_plan(SPECS, 2, sync_every=0), "sync_every"),
         (lambda: build_plan(SPECS, 2, sync_every=-3), "sync_every"),
-        (lambda: build_plan(SPECS, 2, "rows"), "strategy"),
+        (lambda: build_plan(SPECS, 2, "rows"), "partition"),
         (lambda: build_plan([], 1), "specs"),
         (lambda: build_plan([*SPECS, TensorSpec("a", (1,), 4)], 1), "specs"),
         (lambda: build_plan([*SPECS, ("d", (1,), 4)], 1), "specs"),  # type: ignore[list-item]

@@ -17,7 +17,7 @@ import torch
 
 from ddiloco.config import load_config
 from ddiloco.runtime.processes import store as store_mod
-from ddiloco.runtime.processes.setup import RunSetup
+from ddiloco.runtime.run import RunSetup
 from ddiloco.runtime.processes.store import (
     FragmentRecord,
     StoreError,

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 from ddiloco.config import load_config
 from ddiloco.runtime.processes.common import Events
 from ddiloco.runtime.processes.launcher import free_port
-from ddiloco.runtime.processes.setup import RunSetup
+from ddiloco.runtime.run import RunSetup
 from ddiloco.runtime.processes.syncer_service import SyncerService
 
 FIELDS = ["inc", "step", "versions", "peer", "tokens", "secs", "rebased", "learner",

@@ -22,7 +22,8 @@ from ddiloco.errors import require
 
 METHODS = ("dp", "diloco", "streaming", "decoupled")
 # The grid the published tables were reported on: 50 log-spaced values from 0.1 to 1000
-# Gbit/s (ratio 10^(4/49) ≈ 1.207). 102.9 snaps up to 104.8 and 1.58 to 1.68 (DESIGN §6).
+# Gbit/s (ratio 10^(4/49) ≈ 1.207). 102.9 snaps up to 104.8 and 1.58 to 1.68
+# (docs/design.md §8.2).
 GRID_LOW, GRID_HIGH, GRID_POINTS = 0.1, 1000.0, 50
 GRID_RATIO = (GRID_HIGH / GRID_LOW) ** (1.0 / (GRID_POINTS - 1))
 REFERENCE_BITS = 16.0  # the published simulator's wire format (bf16)
@@ -59,7 +60,7 @@ class BandwidthQuery:
     datacenters: int = 2
     fragments: int = 24
     overlap: float = 2.0
-    inner_steps: int = 0  # 0: H = fragments (one fragment every step), DESIGN's default
+    inner_steps: int = 0  # 0: H = fragments (one fragment every step): docs/design.md §3.2
     backward_fraction: float = 2.0 / 3.0
 
     def __post_init__(self) -> None:

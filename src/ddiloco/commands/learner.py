@@ -44,7 +44,7 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from ddiloco.runtime.processes.learner_process import LearnerProcess
-    from ddiloco.runtime.processes.setup import RunSetup
+    from ddiloco.runtime.run import RunSetup
 
     torch.set_num_threads(1)
     logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s learner {args.id} %(message)s")

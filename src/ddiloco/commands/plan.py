@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from ddiloco.core.plans import STRATEGIES, FragmentPlan, build_plan, tensor_specs
+from ddiloco.core.plans import PARTITIONS, FragmentPlan, build_plan, tensor_specs
 from ddiloco.models.registry import DEFAULT_MODEL, build_model
 from ddiloco.report.text import human_bytes, table
 
@@ -19,7 +19,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--fragments", "-P", type=int, default=24, help="P (default: 24)")
     parser.add_argument(
-        "--strategy", choices=STRATEGIES, default="balanced", help="default: %(default)s"
+        "--partition", choices=PARTITIONS, default="balanced", help="default: %(default)s"
     )
     parser.add_argument("--sync-every", "-H", type=int, default=None, help="H (default: P)")
     parser.add_argument(
@@ -35,7 +35,7 @@ def run(args: argparse.Namespace) -> int:
     plan = build_plan(
         tensor_specs(model),
         args.fragments,
-        args.strategy,
+        args.partition,
         sync_every=args.sync_every,
         split_rows=args.split_rows,
     )
@@ -58,7 +58,7 @@ def render(plan: FragmentPlan, model_name: str) -> str:
         rows.append([f.index, f.offset, f"{f.numel:,}", human_bytes(f.nbytes), shown])
     lines = [
         f"model {model_name}: {numel:,} parameters, {human_bytes(plan.total_bytes)}",
-        f"strategy {plan.strategy}, P={plan.num_fragments} fragments, H={plan.sync_every}",
+        f"partition {plan.partition}, P={plan.num_fragments} fragments, H={plan.sync_every}",
         "",
         table(["fragment", "t_p", "params", "bytes", "tensors"], rows),
         "",

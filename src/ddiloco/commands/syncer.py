@@ -58,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     import torch
 
-    from ddiloco.runtime.processes.setup import RunSetup
+    from ddiloco.runtime.run import RunSetup
     from ddiloco.runtime.processes.syncer_service import SyncerService
 
     torch.set_num_threads(max(1, args.threads))

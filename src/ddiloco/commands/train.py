@@ -32,18 +32,24 @@ import torch
 from ddiloco.chaos.plan import ChaosEvent, ChaosGenerators, expand, load_plan, to_json
 from ddiloco.commands import add_config_arguments
 from ddiloco.config import RunConfig, load_config, to_toml
-from ddiloco.data.corpus import TokenSplits, eval_batches, split_corpus
+from ddiloco.data.corpus import TokenSplits, split_corpus
 from ddiloco.models.registry import build_model
 from ddiloco.report.metrics import MetricsWriter, Progress, write_json
 from ddiloco.report.plots import plot_run
+from ddiloco.methods import method_for
 from ddiloco.report.text import human_bytes, table
+from ddiloco.runtime.run import RunSetup, make_eval_batches
 from ddiloco.runtime.sim.data_parallel import DataParallelSim
 from ddiloco.runtime.sim.engine import FragmentSim
-from ddiloco.strategies import FRAGMENT_STRATEGIES
 from ddiloco.trainer import sequence_length
 
 if TYPE_CHECKING:
+    from ddiloco.runtime.processes.dp_job import DataParallelJob
     from ddiloco.runtime.processes.launcher import Launcher
+
+# What --runtime processes runs: every fragment method (syncer + learner processes) and the
+# data-parallel baseline (torchrun DDP); elastic_dp only on the simulated clock.
+PROCESS_METHODS = ("decoupled", "decoupled_sync", "streaming", "diloco", "data_parallel")
 
 DEMO_CHAOS = (
     ChaosEvent(at=60.0, kind="crash", learner=1, duration=40.0),
@@ -73,15 +79,13 @@ def resolve(args: argparse.Namespace) -> RunConfig:
     if getattr(args, "runtime", None):
         config = dataclasses.replace(config, runtime=args.runtime)
     if config.runtime == "processes":
-        from ddiloco.runtime.processes.setup import PROCESS_METHODS
-
         kept = tuple(m for m in config.methods if m in PROCESS_METHODS)
         if kept != config.methods:
             print(
-                f"runtime processes: running {kept or PROCESS_METHODS}; the other methods "
+                f"runtime processes: running {kept or PROCESS_METHODS[:1]}; the other methods "
                 "run on the simulated clock (--runtime sim), compare with ddiloco compare"
             )
-        config = dataclasses.replace(config, methods=kept or PROCESS_METHODS)
+        config = dataclasses.replace(config, methods=kept or PROCESS_METHODS[:1])
     return config
 
 
@@ -126,7 +130,7 @@ def train(config: RunConfig, out: Path, quiet: bool = False) -> list[dict[str, A
     if not processes:  # each process splits the corpus on its own
         slots = config.train.learners + config.train.scavenged
         splits = split_corpus(config.data.source, slots, config.data.eval_fraction)
-        evals = eval_batches(splits.eval, seq_len, 16, config.data.eval_batches)
+        evals = make_eval_batches(config, splits, seq_len)
     metrics = MetricsWriter(out / "metrics.jsonl")
     progress = Progress(config.train.tokens, quiet=quiet)
     summaries = []
@@ -142,11 +146,9 @@ def train(config: RunConfig, out: Path, quiet: bool = False) -> list[dict[str, A
 
             started = time.monotonic()
             if processes:
-                from ddiloco.runtime.processes.launcher import Launcher
-
-                launcher = Launcher(config, method, out, emit)
-                with stopping_on_signals(launcher):
-                    summary = launcher.run()
+                job = process_job(config, method, out, emit)
+                with stopping_on_signals(job):
+                    summary = job.run()
             else:
                 summary = run_method(config, method, splits, evals, emit)
             summary["wall_seconds"] = time.monotonic() - started
@@ -162,8 +164,21 @@ def train(config: RunConfig, out: Path, quiet: bool = False) -> list[dict[str, A
     return summaries
 
 
+def process_job(
+    config: RunConfig, method: str, out: Path, emit: Callable[[dict[str, Any]], None]
+) -> Launcher | DataParallelJob:
+    """One method's real processes: a syncer and learners, or a torchrun DDP job."""
+    if method_for(config, method).fragments:
+        from ddiloco.runtime.processes.launcher import Launcher
+
+        return Launcher(config, method, out, emit)
+    from ddiloco.runtime.processes.dp_job import DataParallelJob
+
+    return DataParallelJob(config, method, out, emit)
+
+
 @contextlib.contextmanager
-def stopping_on_signals(launcher: Launcher) -> Iterator[None]:
+def stopping_on_signals(launcher: Launcher | DataParallelJob) -> Iterator[None]:
     """While the launcher runs, SIGINT and SIGTERM go to :meth:`Launcher.interrupt` (the
     first: a clean stop; the second: kill), not to a KeyboardInterrupt or a sudden death
     that would orphan its processes. Only the main thread can take signals."""
@@ -224,9 +239,10 @@ def run_method(
     emit: Callable[[dict[str, Any]], None],
 ) -> dict[str, Any]:
     """One method on the simulated clock."""
-    if method in FRAGMENT_STRATEGIES:
-        return FragmentSim(config, FRAGMENT_STRATEGIES[method](config), splits, evals, emit).run()
-    return DataParallelSim(config, method == "elastic_dp", splits, evals, emit).run()
+    setup = RunSetup(config, method, splits_given=splits, evals_given=evals)
+    if setup.method.fragments:
+        return FragmentSim(setup, emit).run()
+    return DataParallelSim(setup, emit).run()
 
 
 def render(summaries: list[dict[str, Any]]) -> str:

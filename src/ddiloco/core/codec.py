@@ -5,6 +5,11 @@ fp32, bf16 (default), absmax-block int8/int4, and int2/int1 for the quantization
 (the paper found int4 nearly lossless, 2- and 1-bit badly lossy). The quantization loops
 live in :mod:`ddiloco.core.quantize`. Pure: no I/O, no clock, no global RNG, never pickle.
 
+Which loops run is an argument: ``CodecSpec.backend`` for encoding and ``backend=`` for
+decoding, "auto" (the numba kernels where usable), "jit" or "eager". Every backend gives the
+same bytes and values; only :func:`_kernels` reaches outside the core, lazily, to
+:func:`ddiloco.kernels.load`, which owns numba, its cache and ``DDILOCO_NO_JIT``.
+
 Payload of one tensor (little-endian, ``struct``)::
 
     magic   4s  b"DDQ1"
@@ -41,11 +46,14 @@ import numpy as np
 import torch
 
 from ddiloco.core.quantize import (
+    BACKENDS,
     BITS,
     MAX_SCALE,
     QMAX,
     TINY,
+    Backend,
     ByteArray,
+    Kernels,
     decode_float_into,
     dequantize_into,
     encode_float_into,
@@ -73,11 +81,13 @@ _BUNDLE = struct.Struct("<4sI")  # magic, count
 
 @dataclass(frozen=True)
 class CodecSpec:
-    """Which codec, its block size for the int codecs, and stochastic rounding."""
+    """Which codec, its block size for the int codecs, stochastic rounding, and which loops
+    encode (``backend``: not part of the format, every backend writes the same bytes)."""
 
     name: str = "bf16"
     block_size: int = 128
     stochastic: bool = False
+    backend: Backend = "auto"
 
     def __post_init__(self) -> None:
         require(self.name in CODECS, "codec", self.name, f"must be one of {CODECS}")
@@ -96,6 +106,17 @@ class CodecSpec:
             self.stochastic,
             f"only the int codecs round stochastically, not {self.name!r}",
         )
+        require(self.backend in BACKENDS, "backend", self.backend, f"must be one of {BACKENDS}")
+
+
+def _kernels(backend: Backend) -> Kernels | None:
+    """The loops for ``backend`` (None: eager torch). The import is lazy and the only one
+    out of the core: resolving a backend reads the environment and imports numba."""
+    if backend == "eager":
+        return None
+    from ddiloco.kernels import load  # lazy: see the docstring
+
+    return load(backend)
 
 
 def _header_size(ndim: int) -> int:
@@ -171,7 +192,8 @@ def _encode_into(
         aligned = body.data_ptr() % 4 == 0  # else (inside a bundle) go through a copy
         scales = body[: 4 * nb].view(torch.float32) if aligned else torch.empty(nb)
         packed = body[4 * nb :].view(nb, -1)
-        quantize_into(flat, BITS[name], spec.block_size, scales, packed, generator)
+        kernels = _kernels(spec.backend)
+        quantize_into(flat, BITS[name], spec.block_size, scales, packed, generator, kernels)
         if not aligned:
             body[: 4 * nb].copy_(scales.view(torch.uint8))
         return
@@ -182,6 +204,10 @@ def _check_tensor(tensor: torch.Tensor) -> None:
     require(isinstance(tensor, torch.Tensor), "tensor", type(tensor).__name__, "not a tensor")
     require(tensor.is_floating_point(), "tensor", tensor.dtype, "must be a floating dtype")
     _checked_shape(tuple(tensor.shape))
+
+
+def _check_backend(backend: Backend) -> None:
+    require(backend in BACKENDS, "backend", backend, f"must be one of {BACKENDS}")
 
 
 def _check_generator(spec: CodecSpec, generator: torch.Generator | None) -> None:
@@ -335,7 +361,7 @@ def _check_out(out: torch.Tensor, dims: tuple[int, ...]) -> None:
     )
 
 
-def _decode_parsed(p: _Parsed, out: torch.Tensor | None) -> torch.Tensor:
+def _decode_parsed(p: _Parsed, out: torch.Tensor | None, backend: Backend) -> torch.Tensor:
     if out is None:
         out = torch.empty(p.dims)
     else:
@@ -347,7 +373,8 @@ def _decode_parsed(p: _Parsed, out: torch.Tensor | None) -> torch.Tensor:
         nb = p.scales.numel()
         start = p.header_size + 4 * nb
         packed: ByteArray = np.frombuffer(p.mv, np.uint8, len(p.mv) - start, start)
-        dequantize_into(packed.reshape(nb, -1), p.scales, BITS[p.codec], p.block_size, flat)
+        bits, kernels = BITS[p.codec], _kernels(backend)
+        dequantize_into(packed.reshape(nb, -1), p.scales, bits, p.block_size, flat, kernels)
     else:
         width = 4 if p.codec == "fp32" else 2
         raw: ByteArray = np.frombuffer(p.mv, np.uint8, width * flat.numel(), p.header_size)
@@ -360,14 +387,16 @@ def decode(
     *,
     expected_shape: tuple[int, ...] | None = None,
     out: torch.Tensor | None = None,
+    backend: Backend = "auto",
 ) -> torch.Tensor:
     """Decode one payload into a new float32 CPU tensor (or into ``out``, which it returns).
 
     Every header field, length and scale is checked first (:class:`CodecError` naming the
     field). ``out``, if given, must be a contiguous float32 CPU tensor of the decoded shape.
-    The result never aliases ``payload``.
+    The result never aliases ``payload``. ``backend``: the loops, as ``CodecSpec.backend``.
     """
-    return _decode_parsed(_parse(_as_bytes(payload), expected_shape), out)
+    _check_backend(backend)
+    return _decode_parsed(_parse(_as_bytes(payload), expected_shape), out, backend)
 
 
 def encode_tensors(
@@ -396,8 +425,10 @@ def decode_tensors(
     payload: bytes | bytearray | memoryview,
     *,
     expected_shapes: Sequence[tuple[int, ...]] | None = None,
+    backend: Backend = "auto",
 ) -> list[torch.Tensor]:
     """Decode a bundle from :func:`encode_tensors`; every length and shape is checked."""
+    _check_backend(backend)
     mv = _as_bytes(payload)
     if len(mv) < _BUNDLE.size:
         raise CodecError("length", len(mv), f"shorter than the {_BUNDLE.size}-byte header")
@@ -422,4 +453,4 @@ def decode_tensors(
         raise CodecError("length", len(mv), f"{len(mv) - pos} trailing bytes after the bundle")
     shapes = expected_shapes if expected_shapes is not None else [None] * count
     parsed = [_parse(p, s) for p, s in zip(parts, shapes, strict=True)]
-    return [_decode_parsed(p, None) for p in parsed]
+    return [_decode_parsed(p, None, backend) for p in parsed]

@@ -15,7 +15,7 @@ from ddiloco.errors import require
 
 @dataclass(frozen=True)
 class GraceConfig:
-    """Grace-window settings (DESIGN §3.2: gamma 0.5, cap one step)."""
+    """Grace-window settings (docs/design.md §3.5: gamma 0.5, cap one step)."""
 
     enabled: bool = True
     gamma: float = 0.5

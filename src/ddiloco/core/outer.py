@@ -21,7 +21,7 @@ OUTER_OPTIMIZERS = ("nesterov", "sgd", "delayed_nesterov")
 
 @dataclass(frozen=True)
 class OuterConfig:
-    """Outer-optimizer settings. Defaults are the brief's RDA setting (eta 0.5, mu 0.9)."""
+    """Outer-optimizer settings. Defaults: RDA's eta 0.5, mu 0.9 (docs/design.md §3.9)."""
 
     name: str = "nesterov"
     lr: float = 0.5

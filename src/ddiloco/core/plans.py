@@ -1,7 +1,7 @@
-"""Fragment plans and the sync schedule (DESIGN.md §3.3).
+"""Fragment plans and the sync schedule (docs/design.md §3.1, §3.2).
 
 Owns: splitting a model's parameters into P disjoint fragments (balanced / layer / tensor
-strategies) and the per-fragment sync offsets t_p. Every process builds the identical plan
+partitions) and the per-fragment sync offsets t_p. Every process builds the identical plan
 from the same inputs, so this module is pure: no I/O, no clock, no random state, and it never
 holds or mutates tensors (moving a fragment's data lives in :mod:`ddiloco.core.fragments`,
 re-exported here as :func:`gather` / :func:`scatter`). It knows nothing of optimizers,
@@ -26,7 +26,7 @@ from ddiloco.core.fragments import gather, scatter
 from ddiloco.errors import ConfigError, require
 
 __all__ = [
-    "STRATEGIES",
+    "PARTITIONS",
     "Fragment",
     "FragmentPlan",
     "Slice",
@@ -38,7 +38,7 @@ __all__ = [
     "tensor_specs",
 ]
 
-STRATEGIES = ("balanced", "layer", "tensor")
+PARTITIONS = ("balanced", "layer", "tensor")
 
 _INT_COMPONENT = re.compile(r"[0-9]+")
 
@@ -150,7 +150,7 @@ class Fragment:
 class FragmentPlan:
     """P disjoint fragments covering every parameter element once, plus their sync offsets."""
 
-    strategy: str
+    partition: str
     sync_every: int
     fragments: tuple[Fragment, ...]
     specs: tuple[TensorSpec, ...]
@@ -225,7 +225,7 @@ class FragmentPlan:
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready description for reports and cross-process comparison."""
         return {
-            "strategy": self.strategy,
+            "partition": self.partition,
             "sync_every": self.sync_every,
             "num_fragments": self.num_fragments,
             "total_bytes": self.total_bytes,
@@ -336,7 +336,7 @@ def _layer_groups(specs: Sequence[TensorSpec]) -> list[list[TensorSpec]]:
 def build_plan(
     specs: Sequence[TensorSpec],
     num_fragments: int,
-    strategy: str = "balanced",
+    partition: str = "balanced",
     *,
     sync_every: int | None = None,
     split_rows: bool = False,
@@ -359,13 +359,13 @@ def build_plan(
     h = p if sync_every is None else sync_every
     require(_is_int(h) and h >= 1, "sync_every", sync_every, "must be an int >= 1")
     h = int(h)
-    require(strategy in STRATEGIES, "strategy", strategy, f"must be one of {STRATEGIES}")
+    require(partition in PARTITIONS, "partition", partition, f"must be one of {PARTITIONS}")
     require(isinstance(split_rows, bool), "split_rows", split_rows, "must be a bool")
     require(
-        not split_rows or strategy == "balanced",
+        not split_rows or partition == "balanced",
         "split_rows",
         split_rows,
-        f"row splitting only applies to the 'balanced' strategy, not {strategy!r}",
+        f"row splitting only applies to the 'balanced' partition, not {partition!r}",
     )
     specs = tuple(specs)
     require(len(specs) > 0, "specs", specs, "no tensors to plan")
@@ -386,14 +386,14 @@ def build_plan(
         )
         offs = tuple(int(o) for o in offs)
 
-    if strategy == "balanced":
+    if partition == "balanced":
         bins = _balanced(specs, p, split_rows)
-    elif strategy == "layer":
+    elif partition == "layer":
         bins = _round_robin(_layer_groups(specs), p, "layer groups")
     else:
         bins = _round_robin([[s] for s in specs], p, "tensors")
 
-    # Every strategy lists a fragment's slices in model order, so gather/scatter order is stable.
+    # Every partition lists a fragment's slices in model order, so gather/scatter order is stable.
     order = {s.name: i for i, s in enumerate(specs)}
     for b in bins:
         b.sort(key=lambda s: (order[s.name], s.row_start))
@@ -407,4 +407,4 @@ def build_plan(
         )
         for i, b in enumerate(bins)
     )
-    return FragmentPlan(strategy=strategy, sync_every=h, fragments=fragments, specs=specs)
+    return FragmentPlan(partition=partition, sync_every=h, fragments=fragments, specs=specs)

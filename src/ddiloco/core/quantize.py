@@ -8,13 +8,13 @@ over cache-sized chunks with preallocated buffers and as few passes as possible;
 ``benchmarks/bench_codec.py``. Pure: no I/O, no clock, randomness only from the caller's
 generator.
 
-Fast path. Where numba imports (and ``DDILOCO_NO_JIT=1`` is not set), deterministic int
-quantization and all int decoding run as fused kernels instead, one pass over the values
-each (:mod:`ddiloco.core.quantize_jit`; about twice the eager speed). They give the same
-bytes and the same decoded values bit for bit, and are only used where torch's own
-rounding was checked to match them (:func:`eager_rounds_exactly`); every check and the
-scale arithmetic stay here, shared. Stochastic rounding stays eager. ``JIT`` forces either
-path (tests, benchmarks).
+Fast path. Given a :class:`Kernels` module (``kernels=``, from :func:`ddiloco.kernels.load`;
+None is the eager torch loops), deterministic int quantization and all int decoding run as
+fused kernels instead, one pass over the values each (about twice the eager speed). They
+give the same bytes and the same decoded values bit for bit where torch's own rounding was
+checked to match them (:func:`eager_rounds_exactly`, which ``load`` checks); every check and
+the scale arithmetic stay here, shared. Stochastic rounding stays eager. The choice is an
+argument, never state here: the core imports no backend.
 
 Scheme. Values are cut into blocks of ``block_size`` (the last one zero-padded). A block's
 scale is ``s = max(absmax, TINY) / qmax`` (exactly 0 for an all-zero block) and a value ``x``
@@ -31,12 +31,9 @@ a block", so packing and unpacking touch contiguous runs instead of interleaved 
 
 from __future__ import annotations
 
-import importlib
 import math
-import os
 import threading
-from types import ModuleType
-from typing import Literal
+from typing import Any, Literal, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -65,16 +62,22 @@ CHUNK_VALUES = 1 << 20
 FloatArray = npt.NDArray[np.float32]
 ByteArray = npt.NDArray[np.uint8]
 
-# Which loops run: "auto" takes the numba kernels where available for tensors of at least
-# JIT_MIN_VALUES values; "jit" and "eager" force one (tests, benchmarks; "jit" raises
-# ImportError without numba). Measured on 2 cores, an int4 encode_into + decode(out) round
-# trip costs 170-280 us with the kernels and 360-450 us eager from 64 to 64K values (mostly
-# per-call overhead; the kernels cut the torch calls), so no size is better off eager. The
-# kernels' one-time cost is per process: importing numba and loading the cached kernels
-# (about 1 s), or compiling them where no cache exists yet (0.5-2 s per codec, direction
-# and serial/parallel variant; 14 s for all 16).
-JIT: Literal["auto", "jit", "eager"] = "auto"
-JIT_MIN_VALUES = 0
+# Which loops a codec call runs (resolved by ddiloco.kernels.load): "auto" the numba kernels
+# where usable, "jit" those or ImportError, "eager" the torch loops here.
+Backend = Literal["auto", "jit", "eager"]
+BACKENDS: tuple[Backend, ...] = ("auto", "jit", "eager")
+
+
+class Kernels(Protocol):
+    """What the loops here call on a kernels module (``ddiloco.kernels.quantize_jit``):
+    whole blocks only, numpy arrays in and out, the same results as the eager loops."""
+
+    def quantize(self, bits: int, x: Any, bs: int, am: Any, packed: Any, threads: int) -> None:
+        """Codes of float32 blocks ``x`` into ``packed``, the absmax bits into int32 ``am``."""
+
+    def dequantize(self, bits: int, packed: Any, sf: Any, bs: int, out: Any, threads: int) -> None:
+        """Values of the blocks into float32 ``out``, ``sf`` = scale * 2**(bits - 8)."""
+
 
 # Per-thread scratch buffers, reused across calls: a fresh multi-MB buffer costs a page
 # fault per 4 KiB on first touch, which is as slow as the quantization itself. Holds a few
@@ -94,32 +97,6 @@ def scratch(key: str, shape: tuple[int, ...], dtype: torch.dtype = torch.float32
     return buf[:numel].view(shape)
 
 
-_kernels: ModuleType | None = None
-_kernels_state = "unloaded"  # "unloaded", "ok", "off"
-
-
-def jit_kernels() -> ModuleType | None:
-    """The numba kernels module, or None: numba missing, ``DDILOCO_NO_JIT=1``, or torch's
-    eager rounding differs from the kernels' on this machine (then the eager path stays
-    the only one, so the bytes never depend on whether numba is installed)."""
-    global _kernels, _kernels_state
-    if _kernels_state == "unloaded":
-        kernels = _import_kernels()
-        if kernels is not None and not eager_rounds_exactly():
-            kernels = None
-        _kernels, _kernels_state = kernels, ("ok" if kernels is not None else "off")
-    return _kernels
-
-
-def _import_kernels() -> ModuleType | None:
-    if os.environ.get("DDILOCO_NO_JIT", "") not in ("", "0"):
-        return None
-    try:
-        return importlib.import_module("ddiloco.core.quantize_jit")
-    except Exception:  # numba missing, or broken against this numpy: stay eager, silently
-        return None
-
-
 # A block whose value x has x * inv (inv = float32(127) / absmax) so close to a half-integer
 # that rounding the float32 product first lands on the other integer: -112 instead of the
 # exact product's -113.
@@ -131,7 +108,8 @@ def eager_rounds_exactly() -> bool:
 
     It does where its kernels compile to a fused multiply-add (x86 AVX2 builds, in the
     vectorized body and the scalar tail of a row alike); it does not under
-    ``ATEN_CPU_CAPABILITY=default``, which rounds ``x * inv`` to float32 first.
+    ``ATEN_CPU_CAPABILITY=default``, which rounds ``x * inv`` to float32 first. Where it
+    does not, :func:`ddiloco.kernels.load` hands out no kernels, so the bytes stay the same.
     """
     absmax, x, q = _WITNESS
     block = torch.full((40,), x)
@@ -139,15 +117,6 @@ def eager_rounds_exactly() -> bool:
     scales, packed = torch.empty(1), torch.empty((1, 40), dtype=torch.uint8)
     _quantize_eager(block, 8, 40, scales, packed, None)
     return bool((packed[0, 1:].view(torch.int8) == q).all())
-
-
-def _use_jit(numel: int) -> ModuleType | None:
-    if JIT == "eager" or (JIT == "auto" and numel < JIT_MIN_VALUES):
-        return None
-    kernels = jit_kernels()
-    if kernels is None and JIT == "jit":
-        raise ImportError("quantize.JIT = 'jit' but the numba kernels are not available")
-    return kernels
 
 
 def packed_bytes_per_block(bits: int, block_size: int) -> int:
@@ -240,15 +209,16 @@ def quantize_into(
     scales: torch.Tensor,
     packed: torch.Tensor,
     generator: torch.Generator | None,
+    kernels: Kernels | None = None,
 ) -> None:
     """Quantize 1-D CPU ``flat`` into ``scales`` (nb,) float32 and ``packed`` (nb, bpb) uint8.
 
-    ``generator`` set means stochastic rounding. Raises :class:`CodecError` on NaN/Inf.
+    ``generator`` set means stochastic rounding (always eager); ``kernels`` None the eager
+    loops. Raises :class:`CodecError` on NaN/Inf.
     """
     if scales.numel() == 0:
         return
-    kernels = _use_jit(flat.numel()) if generator is None else None
-    if kernels is not None:
+    if kernels is not None and generator is None:
         _quantize_jit(kernels, flat, bits, block_size, scales, packed)
     else:
         _quantize_eager(flat, bits, block_size, scales, packed, generator)
@@ -292,7 +262,7 @@ def _quantize_eager(
 
 
 def _quantize_jit(
-    kernels: ModuleType,
+    kernels: Kernels,
     flat: torch.Tensor,
     bits: int,
     bs: int,
@@ -327,8 +297,10 @@ def dequantize_into(
     bits: int,
     block_size: int,
     out: torch.Tensor,
+    kernels: Kernels | None = None,
 ) -> None:
-    """Decode ``packed`` (nb, bpb) uint8 codes with ``scales`` (nb,) into 1-D float32 ``out``.
+    """Decode ``packed`` (nb, bpb) uint8 codes with ``scales`` (nb,) into 1-D float32 ``out``,
+    with ``kernels`` (None: the eager loops).
 
     ``packed`` may be a read-only numpy view of the payload; it is only read. Codes are
     unpacked into int8 as ``q * 2**(8 - bits)`` for int4/int2 (the nibble shifted to the
@@ -341,7 +313,6 @@ def dequantize_into(
         return
     factor = {8: 1.0, 4: 1.0 / 16, 2: 1.0 / 64, 1: 1.0}[bits]
     sf = torch.mul(scales, factor).view(nb, 1)
-    kernels = _use_jit(n)
     if kernels is not None:
         _dequantize_jit(kernels, packed, sf.view(nb), bits, bs, out)
         return
@@ -382,7 +353,7 @@ def dequantize_into(
 
 
 def _dequantize_jit(
-    kernels: ModuleType,
+    kernels: Kernels,
     packed: ByteArray,
     sf: torch.Tensor,
     bits: int,

@@ -64,10 +64,6 @@ class TokenSplits:
     shards: tuple[torch.Tensor, ...]
     eval: torch.Tensor
 
-    @property
-    def train_tokens(self) -> int:
-        return sum(int(s.numel()) for s in self.shards)
-
 
 def split_corpus(
     source: str = BUILTIN, num_shards: int = 1, eval_fraction: float = 0.05

@@ -1,1 +1,1 @@
-"""Runtimes that drive the pure core: a simulated clock (sim) and, later, real processes."""
+"""Runtimes that drive the pure core: a simulated clock (sim) and real processes (processes)."""

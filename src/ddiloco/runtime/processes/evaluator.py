@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from ddiloco.runtime.processes.common import Events
-from ddiloco.runtime.processes.setup import RunSetup, eval_loss
+from ddiloco.runtime.run import RunSetup
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ class Evaluator:
 
     def _run(self, fragments: list[list[torch.Tensor]], tokens: int) -> None:
         try:
-            loss = eval_loss(self.setup, fragments, self.model)
+            loss = self.setup.eval_loss(fragments, self.model)
         except Exception as exc:
             self.counts["eval_failed"] += 1
             log.error("syncer: evaluation at %d tokens failed: %s: %s", tokens,

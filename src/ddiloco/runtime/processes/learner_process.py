@@ -3,10 +3,13 @@
 Owns the order of things in a learner's life on the wall clock: recover (from a healthy
 peer's snapshot, else from the syncer's global fragments), register, then train. Every
 step: one inner step (the shared Trainer), the core's ``LearnerSync.stepped``, a progress
-report handed to the link thread; between two steps, answer what the syncer asked (the
-core's ``answer`` snapshots the fragment, the link thread encodes and sends it), apply the
-merged fragments that arrived (the core's ``apply``), and build a snapshot if a newcomer
-asked for one. Nothing in the loop waits on a socket.
+report handed to the link thread; between two steps, the core's step boundary
+(:class:`~ddiloco.core.boundary.StepBoundary`: the answers to send — the link thread encodes
+and sends them — then the merged fragments that arrived), and a snapshot if a newcomer asked
+for one. Nothing in the loop waits on a socket. A lock-step method's learner
+(``waits_for_merge``) then waits, polling the boundary again, until the merged fragments it
+must have arrived; while it waits it reports progress (no new tokens) every
+:data:`KEEPALIVE_SECONDS`, so the syncer does not take it for dead.
 
 Under torchrun the learner is data-parallel (:mod:`.ranks`): every rank trains on its part of
 the learner's batch with gradients averaged, and only rank 0 has the link and the snapshot
@@ -24,6 +27,7 @@ from typing import Any
 
 import torch
 
+from ddiloco.core.boundary import StepBoundary
 from ddiloco.core.learner_state import LearnerSync
 from ddiloco.data.corpus import BatchStream
 from ddiloco.errors import ConfigError
@@ -31,12 +35,16 @@ from ddiloco.runtime.processes.common import Events, new_session, pack_tree, unp
 from ddiloco.runtime.processes.link import SyncerLink
 from ddiloco.runtime.processes.peer import PeerError, SnapshotServer, fetch_snapshot
 from ddiloco.runtime.processes.ranks import Apply, RankGroup
-from ddiloco.runtime.processes.setup import RunSetup
+from ddiloco.runtime.run import RunSetup
 from ddiloco.runtime.processes.shm import writer_for
 from ddiloco.runtime.processes.wire import Limits, Wire
 from ddiloco.trainer import Trainer
 
 log = logging.getLogger(__name__)
+
+KEEPALIVE_SECONDS = 1.0  # a waiting learner's progress reports, so it is not taken for dead
+WAIT_POLL_SECONDS = 0.002
+WAIT_WARN_SECONDS = 30.0  # a wait this long is said on the terminal (then every 30 s)
 
 
 class LearnerProcess:
@@ -75,9 +83,11 @@ class LearnerProcess:
         stream = BatchStream(setup.splits.shards[learner], t.batch_size, setup.seq_len, seed)
         self.trainer = Trainer(setup.model, stream, t, setup.steps_each)
         self.ranks.average_gradients(self.trainer.model)
-        sync = setup.settings.sync
+        sync = setup.method.sync
         self.sync = LearnerSync(learner, setup.plan, self.trainer.params(),
                                 incarnation=self.incarnation, blend=sync.blend)  # fmt: skip
+        self.boundary = StepBoundary(self.sync, overlap=sync.overlap,
+                                     waits_for_merge=setup.method.waits_for_merge)  # fmt: skip
         shapes = [[tuple(t.shape) for t in frag] for frag in self.sync.bases]
         self.shapes = shapes
         limits = Limits(max_payload=max(64 << 20, 4 * setup.plan.total_bytes))
@@ -92,6 +102,8 @@ class LearnerProcess:
         self.rebased: list[int] = []
         self.tokens = 0
         self.bytes_peer = 0
+        self.idle_seconds = 0.0  # lock-step: time spent waiting for merged fragments
+        self.last_seconds = 0.0  # the last step's duration
 
     def status(self) -> dict[str, Any]:
         return {"inc": self.incarnation, "step": self.sync.step,
@@ -127,6 +139,7 @@ class LearnerProcess:
             self.events("learner_done", learner=self.m, step=self.sync.step, tokens=self.tokens,
                         bytes_sent=self.link.bytes_sent, bytes_received=self.link.bytes_received,
                         bytes_peer=self.bytes_peer, reconnects=self.link.reconnects,
+                        idle_seconds=round(self.idle_seconds, 4),
                         refused=dict(self.link.wire.refused), ranks=self.ranks.world,
                         ranks_in_sync=in_sync)  # fmt: skip
             if self.ranks.leader:
@@ -147,37 +160,70 @@ class LearnerProcess:
         """One step and its boundary; False when the learner stops here."""
         started = time.perf_counter()
         loss, tokens = self.trainer.train_step()
-        seconds = time.perf_counter() - started
+        self.last_seconds = time.perf_counter() - started
         tokens *= self.ranks.world  # the learner's batch is every rank's
         self.sync.stepped(tokens)
         self.tokens += tokens
+        self.report(tokens)
+        self.events("step", learner=self.m, step=self.sync.step, loss=loss)
+        stop, wait = self.at_boundary(step_end=True)
+        if wait and not stop:
+            stop = self.wait_for_merge()
+        return not stop
+
+    def report(self, tokens: int) -> None:
+        """A progress report (rank 0): the step, its tokens, the fragments rebased since."""
         if self.ranks.leader:
             self.link.progress({"inc": self.incarnation, "step": self.sync.step,
-                                "tokens": tokens, "secs": seconds,
+                                "tokens": tokens, "secs": self.last_seconds,
                                 "rebased": self.rebased})  # fmt: skip
         self.rebased = []
-        self.events("step", learner=self.m, step=self.sync.step, loss=loss)
-        return self.boundary()
 
-    def boundary(self) -> bool:
-        """Between two steps: answer the asks, apply merged fragments, serve a snapshot."""
+    def at_boundary(self, step_end: bool) -> tuple[bool, bool]:
+        """Between two steps (rank 0 decides, every rank follows): the core's boundary —
+        answers, then the merged fragments that arrived —, a snapshot if one is wanted;
+        returns (stop, wait for a merged fragment)."""
         params = self.trainer.params()
         applies: list[Apply] = []
-        stop = False
+        stop = wait = False
         if self.ranks.leader:
-            for p, round_id in sorted(self.link.take_asks().items()):
-                self.link.push(self.sync.answer(p, round_id, params))
-            applies = [(p, v, vals) for p, (v, vals) in sorted(self.link.take_inbox().items())]
+            for snap in self.boundary.answers(self.link.take_asks(), params, step_end):
+                self.link.push(snap)
+            inbox = self.link.take_inbox()
+            applies = [(p, v, vals) for p, (v, vals) in sorted(inbox.items())]
+            self.rebased.extend(self.boundary.apply(inbox, params))
+            wait = self.boundary.must_wait()
             stop = self.should_stop()
-        stop, applies = self.ranks.share_boundary(stop, applies, self.shapes)
-        for p, version, values in applies:
-            if self.sync.apply(p, version, values, params):
-                self.rebased.append(p)
+        stop, wait, applies = self.ranks.share_boundary(stop, wait, applies, self.shapes)
+        if not self.ranks.leader:
+            for p, version, values in applies:
+                self.sync.apply(p, version, values, params)
         if self.ranks.leader:
             if self.server.wanted:
                 self.server.provide(self.snapshot())
             self.link.status = self.status()
-        return not stop
+        return stop, wait
+
+    def wait_for_merge(self) -> bool:
+        """Lock-step: poll the boundary until it lets the next step start; returns stop.
+        Rebases and a keepalive reach the syncer before the answers that follow them."""
+        started = last_report = time.monotonic()
+        warn_at = started + WAIT_WARN_SECONDS
+        stop, wait = False, True
+        while wait and not stop:
+            time.sleep(WAIT_POLL_SECONDS)
+            now = time.monotonic()
+            if self.rebased or now - last_report >= KEEPALIVE_SECONDS:
+                self.report(0)
+                last_report = now
+            if now >= warn_at and self.ranks.leader:
+                log.warning("learner %d: waiting %.0fs for merged fragments %s (lock-step: a "
+                            "merge waits for every learner)", self.m, now - started,
+                            sorted(self.boundary.sent))  # fmt: skip
+                warn_at = now + WAIT_WARN_SECONDS
+            stop, wait = self.at_boundary(step_end=False)
+        self.idle_seconds += time.monotonic() - started
+        return stop
 
     def checksum(self) -> float:
         with torch.no_grad():
@@ -191,7 +237,7 @@ class LearnerProcess:
         self.sync.incarnation = self.incarnation
 
     def snapshot(self) -> bytes:
-        """Everything a newcomer copies (DESIGN §3.5); taken between two steps."""
+        """Everything a newcomer copies (docs/design.md §5.1); taken between two steps."""
         return pack_tree({"trainer": self.trainer.state(), "sync": self.sync.state_dict(),
                           "learner": self.m})  # fmt: skip
 

@@ -24,7 +24,7 @@ from torch import nn
 from ddiloco.config import RunConfig
 from ddiloco.data.corpus import BatchStream, load_documents
 from ddiloco.errors import ConfigError, DDiLoCoError
-from ddiloco.runtime.processes.setup import RunSetup
+from ddiloco.runtime.run import RunSetup
 from ddiloco.trainer import evaluate, pick_device
 
 BYTE_VOCAB = 256  # tokens are bytes

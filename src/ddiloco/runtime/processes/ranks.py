@@ -61,20 +61,25 @@ class RankGroup:
                 p.register_post_accumulate_grad_hook(reduce)  # type: ignore[no-untyped-call]
 
     def share_boundary(
-        self, stop: bool, applies: list[Apply], shapes: Sequence[Sequence[tuple[int, ...]]]
-    ) -> tuple[bool, list[Apply]]:
-        """Rank 0's decision at a step boundary, the same on every rank."""
+        self,
+        stop: bool,
+        wait: bool,
+        applies: list[Apply],
+        shapes: Sequence[Sequence[tuple[int, ...]]],
+    ) -> tuple[bool, bool, list[Apply]]:
+        """Rank 0's decisions at a step boundary (stop, wait for a merge, the fragments to
+        apply), the same on every rank."""
         if not self.active:
-            return stop, applies
-        head = torch.zeros(2 + 2 * len(shapes), dtype=torch.int64, device=self.device)
+            return stop, wait, applies
+        head = torch.zeros(3 + 2 * len(shapes), dtype=torch.int64, device=self.device)
         if self.leader:
-            head[0], head[1] = int(stop), len(applies)
+            head[0], head[1], head[2] = int(stop), int(wait), len(applies)
             for i, (p, version, _) in enumerate(applies):
-                head[2 + 2 * i], head[3 + 2 * i] = p, version
+                head[3 + 2 * i], head[4 + 2 * i] = p, version
         dist.broadcast(head, 0)
         out: list[Apply] = []
-        for i in range(int(head[1])):
-            p, version = int(head[2 + 2 * i]), int(head[3 + 2 * i])
+        for i in range(int(head[2])):
+            p, version = int(head[3 + 2 * i]), int(head[4 + 2 * i])
             if self.leader:
                 values = [v.to(self.device) for v in applies[i][2]]
             else:
@@ -82,7 +87,7 @@ class RankGroup:
             for v in values:
                 dist.broadcast(v, 0)
             out.append((p, version, [v.cpu() for v in values]))
-        return bool(head[0]), out
+        return bool(head[0]), bool(head[1]), out
 
     def share_bytes(self, blob: bytes | None) -> bytes:
         """Rank 0's bytes (a recovered state) on every rank."""

@@ -26,7 +26,7 @@ import torch
 
 from ddiloco.core.codec import CodecSpec, decode_tensors, encode_tensors
 from ddiloco.errors import DDiLoCoError
-from ddiloco.runtime.processes.setup import RunSetup
+from ddiloco.runtime.run import RunSetup
 
 MAGIC = b"DDSF"
 MANIFEST = "manifest.json"
@@ -64,15 +64,15 @@ class FragmentRecord:
 def fingerprint_of(setup: RunSetup) -> str:
     """The run's identity for the manifest: a store written for another model, seed, method,
     plan or outer optimizer holds state this run cannot continue from."""
-    plan, cfg = setup.plan, setup.settings.sync.syncer_config()
+    plan, cfg = setup.plan, setup.method.sync.syncer_config()
     layout = [
-        [plan.strategy, plan.sync_every, cfg.merge_rule, repr(cfg.outer)],
+        [plan.partition, plan.sync_every, cfg.merge_rule, repr(cfg.outer)],
         [[s.name, list(s.shape)] for s in plan.specs],
         [[f.offset, [[s.name, s.rows] for s in f.slices]] for f in plan.fragments],
     ]
     digest = hashlib.sha256(json.dumps(layout).encode()).hexdigest()[:16]
     c = setup.config
-    return (f"model={c.model} seed={c.seed} method={setup.method} "
+    return (f"model={c.model} seed={c.seed} method={setup.method.name} "
             f"fragments={plan.num_fragments} plan={digest}")  # fmt: skip
 
 

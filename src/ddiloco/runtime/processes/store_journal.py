@@ -30,7 +30,7 @@ from ddiloco.core.outer import make_outer_optimizer
 from ddiloco.core.plans import gather
 from ddiloco.core.robust import scaled
 from ddiloco.core.syncer_state import MergeResult, SyncerConfig, merge_step
-from ddiloco.runtime.processes.setup import RunSetup
+from ddiloco.runtime.run import RunSetup
 from ddiloco.runtime.processes.store_format import _CRC, _HEAD, Key, StoreError
 
 if TYPE_CHECKING:
@@ -233,6 +233,6 @@ def recompute(
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return replay_journal(store, initial, setup.settings.sync.syncer_config(), masks)
+        return replay_journal(store, initial, setup.method.sync.syncer_config(), masks)
     finally:
         torch.set_num_threads(threads)

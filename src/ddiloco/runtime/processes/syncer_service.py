@@ -56,7 +56,8 @@ from ddiloco.runtime.processes.auth import (
 from ddiloco.runtime.processes.common import Events, Socket, configure, new_session
 from ddiloco.runtime.processes.evaluator import Evaluator
 from ddiloco.runtime.processes.ratelog import RateLimitedLog
-from ddiloco.runtime.processes.setup import RunSetup, TolerantLedger, eval_loss
+from ddiloco.runtime.processes.setup import TolerantLedger
+from ddiloco.runtime.run import RunSetup
 from ddiloco.runtime.processes.shm import writer_for
 from ddiloco.runtime.processes.store import (
     SyncerStore,
@@ -93,7 +94,7 @@ class SyncerService:
         self.config: RunConfig = setup.config
         self.events = events
         self.detect_seconds = detect_seconds
-        sync = setup.settings.sync
+        sync = setup.method.sync
         self.plan = setup.plan
         self.ledger = TolerantLedger(self.plan.num_fragments)
         self.syncer = SyncerState(
@@ -426,7 +427,7 @@ class SyncerService:
     def send_fragment(
         self, to: list[int], p: int, version: int, tensors: list[torch.Tensor], keys: list[Any]
     ) -> int:
-        payload = encode_tensors(tensors, self.setup.settings.sync.broadcast_spec())
+        payload = encode_tensors(tensors, self.setup.method.sync.broadcast_spec())
         for m in to:
             self.send(m, "fragment", fragment=p, meta={"version": version, "keys": keys},
                       payload=payload)  # fmt: skip
@@ -461,7 +462,7 @@ class SyncerService:
 
     def account_uptime(self, now: float) -> None:
         """Called before every membership change: time with >= K live learners is up."""
-        live = len(self.syncer.policy.progress) >= self.setup.settings.sync.quorum
+        live = len(self.syncer.policy.progress) >= self.setup.method.sync.quorum
         if live and self.up_mark is not None:
             self.up_seconds += now - self.up_mark
         self.up_mark = now
@@ -481,7 +482,7 @@ class SyncerService:
         for m in list(self.lives):
             self.send(m, "stop")
         self.evaluator.wait()  # the run's result is evaluated last, here
-        final = eval_loss(self.setup, self.syncer.fragments)
+        final = self.setup.eval_loss(self.syncer.fragments)
         self.events("eval", tokens=self.tokens, loss=final)
         for m in sorted({*self.down_since, *self.ledger.absent()}):  # given up, or not back after
             self.ledger.crashed(m, CRASH)  # a syncer restart: what it held died with it

@@ -159,10 +159,6 @@ class ReplayWindow:
                 seen = {s for s in seen if s > highest - self.size}
         self._senders[sender] = (current, highest, seen)
 
-    def forget(self, sender: str) -> None:
-        self._senders.pop(sender, None)
-        self._retired.pop(sender, None)
-
 
 class Wire:
     """Encodes this process's frames and decodes its peers', under one run id and secret.
@@ -260,21 +256,21 @@ class Wire:
         self.shm_reader.close()
 
     # -- receiving --------------------------------------------------------------------------
-    def decode(self, parts: Sequence[Part], *, replay: bool = True) -> Message:
+    def decode(self, parts: Sequence[Part]) -> Message:
         """Check one received frame (its parts, or one joined blob) and return it.
 
         Raises :class:`WireError` naming what is wrong; the refusal is logged and counted
         in :attr:`refused` under its reason.
         """
         try:
-            return self._decode(parts, replay)
+            return self._decode(parts)
         except WireError as exc:
             self.refused[exc.reason] += 1
             level = logging.INFO if exc.reason == "expired" else logging.WARNING  # (a race)
             self._say(exc.reason, "wire: refused frame: %s (%s)", exc, exc.reason, level=level)
             raise
 
-    def _decode(self, parts: Sequence[Part], replay: bool) -> Message:
+    def _decode(self, parts: Sequence[Part]) -> Message:
         views = [_as_view(p) for p in parts]
         if len(views) == 1:
             views = _split(views[0], self.limits)
@@ -307,8 +303,7 @@ class Wire:
         header = _header(head[PREFIX.size :], self.limits)
         if header.run != self.run:
             raise WireError("run", header.run, f"this is run {self.run!r}", "run")
-        if replay:
-            self.window.check(header.sender, header.session, header.seq)
+        self.window.check(header.sender, header.session, header.seq)
         return Message(header, body)
 
 

@@ -35,7 +35,7 @@ def summarize(sim: FragmentSim, final_loss: float) -> dict[str, Any]:
     wasted: dict[str, float] = ledger["tokens_wasted"]  # type: ignore[assignment]
     lost_to_failures = sum(wasted.get(r, 0.0) for r in FAILURE_REASONS)
     return {
-        "method": sim.settings.name,
+        "method": sim.method.name,
         "eval_loss": final_loss,
         "tokens": sim.tokens,
         "tokens_merged": merged,

@@ -19,35 +19,29 @@ from typing import Any
 
 import torch
 
-from ddiloco.config import ChaosEvent, RunConfig
-from ddiloco.data.corpus import BatchStream, TokenSplits
-from ddiloco.models.registry import build_model
+from ddiloco.config import ChaosEvent
+from ddiloco.data.corpus import BatchStream
+from ddiloco.runtime.run import RunSetup
 from ddiloco.runtime.sim.world import Network, StepTimes
-from ddiloco.trainer import Trainer, evaluate, sequence_length
+from ddiloco.trainer import Trainer, evaluate
 
 
 class DataParallelSim:
     """One data-parallel run, elastic or not."""
 
-    def __init__(
-        self,
-        config: RunConfig,
-        elastic: bool,
-        splits: TokenSplits,
-        eval_batches: list[tuple[torch.Tensor, torch.Tensor]],
-        emit: Callable[[dict[str, Any]], None],
-    ) -> None:
+    def __init__(self, setup: RunSetup, emit: Callable[[dict[str, Any]], None]) -> None:
+        config = setup.config
         self.config = config
-        self.elastic = elastic
+        self.method = setup.method
+        self.elastic = setup.method.elastic
         self.emit = emit
-        self.eval_batches = eval_batches
+        self.eval_batches = setup.eval_batches
         t = config.train
-        torch.manual_seed(config.seed)
-        model = build_model(config.model)
-        self.seq_len = sequence_length(model)
-        stream = BatchStream(torch.cat(splits.shards), t.batch_size, self.seq_len, config.seed)
-        steps = max(1, t.tokens // (t.learners * t.batch_size * self.seq_len))
-        self.trainer = Trainer(model, stream, t, steps)
+        model = setup.model  # Theta_0; the job trains it
+        self.seq_len = setup.seq_len
+        shards = torch.cat(setup.splits.shards)
+        stream = BatchStream(shards, t.batch_size, self.seq_len, config.seed)
+        self.trainer = Trainer(model, stream, t, max(1, setup.steps_each))
         slots = t.learners + t.scavenged
         self.step_times = StepTimes(config.hardware, slots, random.Random(config.seed))
         self.network = Network(config.network)
@@ -177,7 +171,7 @@ class DataParallelSim:
         allocated = (self.config.train.learners) * self.now
         kept = self.tokens - self.wasted
         return {
-            "method": "elastic_dp" if self.elastic else "data_parallel",
+            "method": self.method.name,
             "eval_loss": final,
             "tokens": self.tokens,
             "tokens_merged": float(kept),

@@ -4,30 +4,65 @@ Crash (the process dies: state lost, restarts after ``duration`` and copies a he
 freeze (SIGSTOP: nothing runs for ``duration``, state kept), slow (steps take ``factor``
 longer), link_slow / link_cut (the learner's links lose bandwidth or carry nothing for a
 while), join (a scavenged learner arrives and copies a peer), leave (a learner goes away
-cleanly). A mixin of :class:`~ddiloco.runtime.sim.engine.FragmentSim`: it shares its state.
+cleanly). A collaborator of the engine: it moves slots between their named states
+(:class:`~ddiloco.runtime.sim.node.NodeState`) and calls back into the engine only through
+:class:`Engine`, the few things it needs.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import Any, Protocol
 
-from ddiloco.config import ChaosEvent
+from ddiloco.config import ChaosEvent, RunConfig
 from ddiloco.core import ledger as reasons
+from ddiloco.core.boundary import StepBoundary
 from ddiloco.core.learner_state import LearnerSync
-from ddiloco.core.plans import scatter
+from ddiloco.core.ledger import TokenLedger
+from ddiloco.core.plans import FragmentPlan, scatter
+from ddiloco.core.syncer_state import SyncerState
+from ddiloco.runtime.sim.clock import EventQueue
+from ddiloco.runtime.sim.node import Node, NodeState
+from ddiloco.runtime.sim.world import Network, StepTimes
 
-if TYPE_CHECKING:
-    from ddiloco.runtime.sim.engine import FragmentSim, Node
+
+class Engine(Protocol):
+    """What the faults use of the engine (:class:`~ddiloco.runtime.sim.engine.FragmentSim`)."""
+
+    config: RunConfig
+    clock: EventQueue
+    nodes: list[Node]
+    plan: FragmentPlan
+    syncer: SyncerState
+    ledger: TokenLedger
+    network: Network
+    step_times: StepTimes
+    emit: Callable[[dict[str, Any]], None]
+    idle_seconds: float
+    bytes_peer: int
+
+    def boundary_of(self, sync: LearnerSync) -> StepBoundary: ...
+    def step_done(self, m: int, life: int) -> None: ...
+    def wake(self, node: Node) -> None: ...
+    def poll(self) -> None: ...
+    def account_uptime(self) -> None: ...
+    def ask_arrive(self, m: int, life: int, p: int, round_id: int) -> None: ...
+    def send_latest(self, node: Node, p: int) -> None: ...
 
 
-class FaultHandlers:
+class Faults:
     """Chaos events and recovery for the fragment-sync engine."""
 
-    def on_chaos(self: FragmentSim, event: ChaosEvent) -> None:
-        node = self.nodes[event.learner]
-        self.emit({"kind": "chaos", "t": self.clock.now, "event": event.kind,
-                   "learner": event.learner, "duration": event.duration,
-                   "factor": event.factor})  # fmt: skip
+    def __init__(self, engine: Engine) -> None:
+        self.sim = engine
+
+    def strike(self, event: ChaosEvent) -> None:
+        """A chaos event, now."""
+        sim = self.sim
+        node = sim.nodes[event.learner]
+        sim.emit({"kind": "chaos", "t": sim.clock.now, "event": event.kind,
+                  "learner": event.learner, "duration": event.duration,
+                  "factor": event.factor})  # fmt: skip
         handler = {
             "crash": self._crash,
             "freeze": self._freeze,
@@ -40,155 +75,163 @@ class FaultHandlers:
         handler(node, event)
 
     # -- slow things down -------------------------------------------------------------------
-    def _slow(self: FragmentSim, node: Node, event: ChaosEvent) -> None:
-        self.step_times.slowdown[node.id] = event.factor
+    def _slow(self, node: Node, event: ChaosEvent) -> None:
+        self.sim.step_times.slowdown[node.id] = event.factor
         if event.duration > 0:
-            self.clock.after(event.duration, self._restore_speed, node.id)
+            self.sim.clock.after(event.duration, self._restore_speed, node.id)
 
-    def _restore_speed(self: FragmentSim, m: int) -> None:
-        self.step_times.slowdown[m] = 1.0
+    def _restore_speed(self, m: int) -> None:
+        self.sim.step_times.slowdown[m] = 1.0
 
-    def _link(self: FragmentSim, node: Node, event: ChaosEvent) -> None:
-        now = self.clock.now
+    def _link(self, node: Node, event: ChaosEvent) -> None:
+        sim = self.sim
         if event.kind == "link_cut":
-            self.network.cut(node.id, now + event.duration)
+            sim.network.cut(node.id, sim.clock.now + event.duration)
         else:
-            self.network.slow(node.id, event.factor)
+            sim.network.slow(node.id, event.factor)
             if event.duration > 0:
-                self.clock.after(event.duration, self.network.slow, node.id, 1.0)
+                sim.clock.after(event.duration, sim.network.slow, node.id, 1.0)
 
-    def _freeze(self: FragmentSim, node: Node, event: ChaosEvent) -> None:
-        if not node.alive or node.frozen:
+    def _freeze(self, node: Node, event: ChaosEvent) -> None:
+        if not node.up or node.frozen:
             return
         node.frozen = True
-        detect = self.config.network.detect_seconds
+        sim = self.sim
+        detect = sim.config.network.detect_seconds
         if event.duration > detect:  # its heartbeats stop: the syncer gives up on it
-            self.clock.after(detect, self._detected, node.id, node.life)
-        self.clock.after(event.duration, self._thaw, node.id, node.life)
+            sim.clock.after(detect, self._detected, node.id, node.life)
+        sim.clock.after(event.duration, self._thaw, node.id, node.life)
 
-    def _thaw(self: FragmentSim, m: int, life: int) -> None:
-        node = self.nodes[m]
+    def _thaw(self, m: int, life: int) -> None:
+        sim = self.sim
+        node = sim.nodes[m]
         if node.life != life or not node.frozen:
             return
         node.frozen = False
-        if m not in self.syncer.policy.progress:  # it had been given up on: register again
+        if m not in sim.syncer.policy.progress:  # it had been given up on: register again
             self._rejoin(node)
         if node.step_pending:
             node.step_pending = False
-            self.clock.after(0.0, self._step_done, m, life)
-        elif node.blocked_since is not None:
-            self._unblock_check(node)
+            sim.clock.after(0.0, sim.step_done, m, life)
+        elif node.state is NodeState.WAITING:
+            sim.wake(node)
 
     # -- lose a learner ---------------------------------------------------------------------
-    def _crash(self: FragmentSim, node: Node, event: ChaosEvent) -> None:
-        if not node.alive:
+    def _crash(self, node: Node, event: ChaosEvent) -> None:
+        if not node.up:
             return
-        self._drop(node, reasons.CRASH)
-        self.clock.after(self.config.network.detect_seconds, self._detected, node.id, node.life)
-        self.clock.after(event.duration, self._restart, node.id, node.life)
+        sim = self.sim
+        self._drop(node, reasons.CRASH, NodeState.DOWN)
+        sim.clock.after(sim.config.network.detect_seconds, self._detected, node.id, node.life)
+        sim.clock.after(event.duration, self._restart, node.id, node.life)
 
-    def _leave(self: FragmentSim, node: Node, event: ChaosEvent) -> None:
+    def _leave(self, node: Node, event: ChaosEvent) -> None:
         """A clean leave: it says goodbye, so the syncer stops waiting for it at once."""
-        if not node.alive:
+        if not node.up:
             return
-        self._drop(node, reasons.LEFT)
+        sim = self.sim
+        self._drop(node, reasons.LEFT, NodeState.ABSENT)
         node.down_since = None  # no longer allocated: not counted as lost capacity
-        self.syncer.policy.leave(node.id, self.clock.now)
-        self.poll()
+        sim.syncer.policy.leave(node.id, sim.clock.now)
+        sim.poll()
 
-    def _drop(self: FragmentSim, node: Node, reason: str) -> None:
-        for other in self.nodes:  # whoever was copying this learner's state starts over
+    def _drop(self, node: Node, reason: str, state: NodeState) -> None:
+        sim = self.sim
+        for other in sim.nodes:  # whoever was copying this learner's state starts over
             if other.copying_from == node.id:
                 self._restart(other.id, other.life)
-        now = self.clock.now
-        self.account_uptime()
-        if node.blocked_since is not None:
-            self.idle_seconds += now - node.blocked_since
-        node.alive = False
+        now = sim.clock.now
+        sim.account_uptime()
+        if node.waiting_since is not None:
+            sim.idle_seconds += now - node.waiting_since
+        node.state = state
         node.frozen = False
         node.step_pending = False
-        node.blocked_since = None
+        node.waiting_since = None
         node.life += 1
         node.down_since = now
         node.asks.clear()
         node.inbox.clear()
-        node.sent.clear()
-        self.ledger.crashed(node.id, reason)
-        self.network.reset(node.id, now)
+        node.boundary.forget()
+        sim.ledger.crashed(node.id, reason)
+        sim.network.reset(node.id, now)
 
-    def _detected(self: FragmentSim, m: int, life: int) -> None:
-        node = self.nodes[m]
-        if node.life == life and (not node.alive or node.frozen):
-            self.syncer.policy.leave(m, self.clock.now)
-            self.emit({"kind": "detected", "t": self.clock.now, "learner": m})
-            self.poll()
+    def _detected(self, m: int, life: int) -> None:
+        sim = self.sim
+        node = sim.nodes[m]
+        if node.life == life and not node.running:
+            sim.syncer.policy.leave(m, sim.clock.now)
+            sim.emit({"kind": "detected", "t": sim.clock.now, "learner": m})
+            sim.poll()
 
     # -- come (back) ------------------------------------------------------------------------
-    def _join(self: FragmentSim, node: Node, event: ChaosEvent) -> None:
-        if node.alive:
+    def _join(self, node: Node, event: ChaosEvent) -> None:
+        if node.up:
             return
         node.life += 1
         if node.down_since is None:
-            node.down_since = self.clock.now  # absent slots count from their first join only
+            node.down_since = self.sim.clock.now  # absent slots count from their first join
         self._restart(node.id, node.life)
 
-    def _restart(self: FragmentSim, m: int, life: int) -> None:
+    def _restart(self, m: int, life: int) -> None:
         """Register again and pull a full state from a healthy peer (or the syncer)."""
-        node = self.nodes[m]
-        if node.life != life or node.alive:
+        sim = self.sim
+        node = sim.nodes[m]
+        if node.life != life or node.up:
             return
-        peers = [
-            n for n in self.nodes
-            if n.alive and not n.frozen and n.id != m and n.id != node.copying_from
-        ]  # fmt: skip
-        now = self.clock.now
+        peers = [n for n in sim.nodes if n.running and n.id not in (m, node.copying_from)]
+        now = sim.clock.now
+        node.state = NodeState.COPYING
         node.attempt += 1
-        self.network.reset(m, now)  # an aborted copy no longer occupies the link
+        sim.network.reset(m, now)  # an aborted copy no longer occupies the link
         node.copying_from = peers[0].id if peers else None
         if peers:
             nbytes = peers[0].trainer.state_bytes()
-            arrival = self.network.peer(m, now, nbytes)
+            arrival = sim.network.peer(m, now, nbytes)
         else:
-            nbytes = self.plan.total_bytes
-            arrival = self.network.down(m, now, nbytes)
-        self.bytes_peer += nbytes
-        self.clock.at(arrival, self._recovered, m, life, node.copying_from, node.attempt)
+            nbytes = sim.plan.total_bytes
+            arrival = sim.network.down(m, now, nbytes)
+        sim.bytes_peer += nbytes
+        sim.clock.at(arrival, self._recovered, m, life, node.copying_from, node.attempt)
 
-    def _recovered(self: FragmentSim, m: int, life: int, peer_id: int | None, attempt: int) -> None:
-        node = self.nodes[m]
-        if node.life != life or node.alive or node.attempt != attempt:
+    def _recovered(self, m: int, life: int, peer_id: int | None, attempt: int) -> None:
+        sim = self.sim
+        node = sim.nodes[m]
+        if node.life != life or node.up or node.attempt != attempt:
             return
         node.copying_from = None
         if peer_id is not None:
-            peer = self.nodes[peer_id]
+            peer = sim.nodes[peer_id]
             node.trainer.load_state(peer.trainer.state())
             node.sync.load_peer_state(peer.sync.state_dict())
             node.inbox = {p: (v, [t.clone() for t in vals]) for p, (v, vals) in peer.inbox.items()}
-        else:  # nobody alive: start from the syncer's global fragments, fresh inner state
+        else:  # nobody up: start from the syncer's global fragments, fresh inner state
             params = node.trainer.params()
-            for p in range(self.plan.num_fragments):
-                scatter(self.plan, p, params, self.syncer.fragments[p])
+            for p in range(sim.plan.num_fragments):
+                scatter(sim.plan, p, params, sim.syncer.fragments[p])
             node.trainer.reset_optimizer()
-            node.sync = LearnerSync(m, self.plan, params, blend=self.sync.blend,
-                                    versions=self.syncer.versions)  # fmt: skip
-            node.sync.step = self.syncer.policy.global_step
+            sync = LearnerSync(m, sim.plan, params, blend=node.sync.blend,
+                               versions=sim.syncer.versions)  # fmt: skip
+            sync.step = sim.syncer.policy.global_step
+            node.boundary = sim.boundary_of(sync)
         node.sync.incarnation = life
-        self.account_uptime()
-        node.alive = True
-        now = self.clock.now
+        sim.account_uptime()
+        node.state = NodeState.STEPPING
+        now = sim.clock.now
         node.down_seconds += now - (node.down_since if node.down_since is not None else now)
         node.down_since = None
-        self.emit({"kind": "recovered", "t": now, "learner": m, "peer": peer_id})
+        sim.emit({"kind": "recovered", "t": now, "learner": m, "peer": peer_id})
         self._rejoin(node)
-        node.next_step = self.step_times.sample(m)
-        self.clock.after(node.next_step, self._step_done, m, life)
+        node.next_step = sim.step_times.sample(m)
+        sim.clock.after(node.next_step, sim.step_done, m, life)
 
-    def _rejoin(self: FragmentSim, node: Node) -> None:
+    def _rejoin(self, node: Node) -> None:
         """Register with the syncer and get every fragment newer than what it holds."""
-        latency = self.config.network.latency_seconds
-        for rnd in self.syncer.policy.join(node.id, node.sync.step):
-            self.clock.after(latency, self.ask_arrive, node.id, node.life, rnd.fragment,
-                             rnd.round_id)  # fmt: skip
-        for p in range(self.plan.num_fragments):
-            if self.syncer.versions[p] > node.sync.versions[p]:
-                self.send_latest(node, p)
+        sim = self.sim
+        latency = sim.config.network.latency_seconds
+        for rnd in sim.syncer.policy.join(node.id, node.sync.step):
+            sim.clock.after(latency, sim.ask_arrive, node.id, node.life, rnd.fragment,
+                            rnd.round_id)  # fmt: skip
+        for p in range(sim.plan.num_fragments):
+            if sim.syncer.versions[p] > node.sync.versions[p]:
+                sim.send_latest(node, p)

@@ -1,11 +1,12 @@
 """Fused numba kernels for the int codecs: one pass per block to quantize+pack, one to decode.
 
-Owns nothing but inner loops: :mod:`ddiloco.core.quantize` decides when to call them and
-keeps every check (NaN/Inf refusal, the scale arithmetic and its range check) shared with
-the eager torch path. Importing this module imports numba (about half a second) and raises
-``ImportError`` without it; the kernels compile on first use (0.5-2 s each, 14 s for all 16)
-and are cached on disk next to this file (``__pycache__``), or in numba's user-wide cache
-when that is read-only, or nowhere (then each process compiles what it uses).
+Owns nothing but inner loops: :mod:`ddiloco.core.quantize` calls them when it is handed
+this module (:func:`ddiloco.kernels.load`) and keeps every check (NaN/Inf refusal, the scale
+arithmetic and its range check) shared with the eager torch path. Importing this module
+imports numba (about half a second) and raises ``ImportError`` without it; the kernels
+compile on first use (0.5-2 s each, 14 s for all 16) and are cached on disk next to this
+file (``__pycache__``), or in numba's user-wide cache when that is read-only, or nowhere
+(then each process compiles what it uses).
 
 Bit for bit the eager path's results:
 
@@ -17,8 +18,8 @@ Bit for bit the eager path's results:
 * ``code = rint(float64(x) * float64(inv) + offset)``: the product of two float32 is exact
   in float64, so this rounds (half to even) the exact ``x * inv + offset``, which is what
   torch's fused multiply-add ``(MAGIC + offset) + x * inv`` gives where its kernels
-  contract to an FMA (x86 AVX2 builds; the caller checks, see
-  ``quantize.eager_rounds_exactly``). |q| <= qmax always, so no clamp.
+  contract to an FMA (x86 AVX2 builds; :func:`ddiloco.kernels.load` checks, see
+  ``core.quantize.eager_rounds_exactly``). |q| <= qmax always, so no clamp.
 * Decoding multiplies ``float32(q * 2**(8 - bits))`` (int8/int4/int2; int1 ``+-1``) by the
   caller's ``sf = scale * 2**(bits - 8)`` in float32, as the eager path does, including its
   int8 wrap of the int2 code 3 (never written) to ``q = -2`` (see ``_d2``).

@@ -1,0 +1,16 @@
+"""Data-parallel training, the baseline users run today: one global model, a synchronous
+all-reduce every step; a lost replica restarts the job from its last checkpoint, or (elastic)
+the job shrinks without it and grows back when it returns."""
+
+from __future__ import annotations
+
+from ddiloco.config import RunConfig
+from ddiloco.methods import DATA_PARALLEL, Method
+
+
+def data_parallel(config: RunConfig) -> Method:
+    return Method("data_parallel", DATA_PARALLEL, config.sync)
+
+
+def elastic_dp(config: RunConfig) -> Method:
+    return Method("elastic_dp", DATA_PARALLEL, config.sync, elastic=True)

@@ -1,0 +1,26 @@
+"""DiLoCo (Douillard et al. 2023): the whole model every H steps, everyone waits."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ddiloco.config import RunConfig
+from ddiloco.methods import FRAGMENTS, Method
+
+
+def diloco(config: RunConfig) -> Method:
+    """One fragment (the whole model) every ``sync.diloco_inner_steps`` steps, all learners,
+    a plain average, and every learner waits for the merge before going on (tau = 0)."""
+    sync = dataclasses.replace(
+        config.sync,
+        fragments=1,
+        sync_every=config.sync.diloco_inner_steps,
+        partition="tensor",
+        split_rows=False,
+        overlap=0,
+        quorum=config.train.learners,
+        grace=False,
+        merge_rule="mean",
+        outer_lr=config.sync.mean_outer_lr,
+    )
+    return Method("diloco", FRAGMENTS, sync, waits_for_merge=True)

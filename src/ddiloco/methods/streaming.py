@@ -1,0 +1,22 @@
+"""Streaming DiLoCo (Douillard et al. 2025): fragments in lock-step, a plain average."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from ddiloco.config import RunConfig
+from ddiloco.methods import FRAGMENTS, Method
+
+
+def streaming(config: RunConfig) -> Method:
+    """The same fragments, H and tau as Decoupled; every learner in every merge (K = M), a
+    plain average with its own outer learning rate, and each learner waits for its merged
+    fragment tau steps after pushing it."""
+    sync = dataclasses.replace(
+        config.sync,
+        quorum=config.train.learners,
+        grace=False,
+        merge_rule="mean",
+        outer_lr=config.sync.mean_outer_lr,
+    )
+    return Method("streaming", FRAGMENTS, sync, waits_for_merge=True)

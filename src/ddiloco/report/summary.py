@@ -1,0 +1,80 @@
+"""The one summary schema every runtime writes (``summary.json``, the final table).
+
+Each runtime measures its own quantities (the simulated clock reads its nodes, the syncer
+service its ledger and membership, the data-parallel jobs their checkpoints); this module
+turns them into the same keys with the same definitions, so ``ddiloco compare`` and the
+final table read every run alike:
+
+- ``goodput``: useful compute over allocated compute. Fragment methods: (tokens trained -
+  tokens lost to failures) / (tokens trained + tokens the learners could have trained while
+  down or waiting), see :func:`fragment_goodput`. Data-parallel: replica-time of the steps
+  kept over every replica slot for the whole run (a rolled-back step is not useful).
+- ``token_efficiency``: tokens merged (kept) / tokens trained: the algorithm's own share,
+  reported apart from goodput so the two effects are not mixed (docs/decisions.md).
+- ``uptime``: the share of the run's time during which training could progress (>= K live
+  learners for fragment methods; the job stepping for data-parallel).
+- ``virtual_seconds``: the run's duration on its clock (``clock``: "virtual" on the
+  simulated clock, "wall" on real processes).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from ddiloco.core import ledger as reasons
+
+# Waste caused by failures; the rest is the algorithm's own (overlap overwrites, staleness).
+FAILURE_REASONS = (reasons.CRASH, reasons.LOST_IN_FLIGHT)
+
+REQUIRED = ("method", "runtime", "clock", "eval_loss", "tokens", "tokens_merged",
+            "tokens_wasted", "ledger_balanced", "goodput", "token_efficiency", "uptime",
+            "idle_seconds", "virtual_seconds", "bytes_sent", "bytes_received",
+            "bytes_per_token")  # fmt: skip
+
+
+def fragment_goodput(tokens: float, wasted: Mapping[str, float], lost_capacity: float) -> float:
+    """(trained - lost to failures) / (trained + what the down or waiting learners could
+    have trained), in tokens."""
+    lost = sum(wasted.get(r, 0.0) for r in FAILURE_REASONS)
+    return (tokens - lost) / max(tokens + lost_capacity, 1.0)
+
+
+def summary(
+    *,
+    method: str,
+    runtime: str,
+    eval_loss: float,
+    tokens: int,
+    tokens_merged: float,
+    tokens_wasted: Mapping[str, float],
+    goodput: float,
+    uptime: float,
+    seconds: float,
+    bytes_sent: int,
+    bytes_received: int,
+    ledger_balanced: bool = True,
+    idle_seconds: float = 0.0,
+    **extra: Any,
+) -> dict[str, Any]:
+    """One method's summary: the schema's keys (:data:`REQUIRED`), then the runtime's own."""
+    out: dict[str, Any] = {
+        "method": method,
+        "runtime": runtime,
+        "clock": "virtual" if runtime == "sim" else "wall",
+        "eval_loss": eval_loss,
+        "tokens": tokens,
+        "tokens_merged": tokens_merged,
+        "tokens_wasted": dict(tokens_wasted),
+        "ledger_balanced": ledger_balanced,
+        "goodput": goodput,
+        "token_efficiency": tokens_merged / max(tokens, 1),
+        "uptime": uptime,
+        "idle_seconds": idle_seconds,
+        "virtual_seconds": seconds,
+        "bytes_sent": bytes_sent,
+        "bytes_received": bytes_received,
+        "bytes_per_token": (bytes_sent + bytes_received) / max(tokens, 1),
+    }
+    out.update(extra)
+    return out
