@@ -95,7 +95,9 @@ class SyncConfig:
     norm_absurd: float = 4.0  # refuse an answer longer than this x ||Theta_p||
 
     def __post_init__(self) -> None:
-        require(self.partition in PARTITIONS, "sync.partition", self.partition, f"known: {PARTITIONS}")
+        require(
+            self.partition in PARTITIONS, "sync.partition", self.partition, f"known: {PARTITIONS}"
+        )
         require(0.0 <= self.blend < 1.0, "sync.blend", self.blend, "must be in [0, 1)")
         self.rounds()
         self.outer()

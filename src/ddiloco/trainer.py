@@ -42,12 +42,7 @@ class Trainer:
         self.stream = stream
         self.config = config
         self.total_steps = max(total_steps, 1)
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(),
-            lr=config.lr,
-            weight_decay=config.weight_decay,
-            betas=(0.9, 0.95),
-        )
+        self.optimizer = self._new_optimizer()
         self.steps = 0
         self.amp = self.device.type == "cuda" and torch.cuda.is_bf16_supported()
 

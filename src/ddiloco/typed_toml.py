@@ -16,9 +16,9 @@ from typing import Any
 
 from ddiloco.errors import ConfigError
 
-
 # Keys that were renamed: an old config gets the new name in its error, not a bare refusal.
 RENAMED = {"sync.strategy": "sync.partition"}
+
 
 def read_toml(path: str | Path) -> dict[str, Any]:
     """A TOML file as a dict, or a ConfigError naming the file."""

@@ -19,8 +19,8 @@ from ddiloco.core.plans import gather
 from ddiloco.errors import FATAL_EXIT
 from ddiloco.runtime.processes.common import SECRET_ENV
 from ddiloco.runtime.processes.launcher import free_port
-from ddiloco.runtime.run import RunSetup
 from ddiloco.runtime.processes.wire import FLAG_SHM, PREFIX, VERSION, Wire, decode_update
+from ddiloco.runtime.run import RunSetup
 
 
 def progress(step: int, tokens: int = 64) -> dict:

@@ -44,7 +44,7 @@ def test_a_lock_step_method_merges_every_learner_in_every_round(tmp_path, method
 
 def test_decoupled_sync_idles_behind_a_straggler_and_still_finishes(tmp_path):
     chaos = "chaos=[{at=2.0, kind='slow', learner=1, duration=0.0, factor=2.0}]"
-    summary, records = _run(tmp_path, "decoupled_sync", chaos)
+    summary, _ = _run(tmp_path, "decoupled_sync", chaos)
     assert summary["method"] == "decoupled_sync" and summary["ledger_balanced"]
     done = summary["learner_done"]
     assert done[0]["idle_seconds"] > 0  # the fast learner waited for the slow one

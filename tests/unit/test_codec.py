@@ -4,6 +4,7 @@ refused with the field that is wrong."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
 import struct
@@ -17,6 +18,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import ddiloco.core.quantize as quantize
+import ddiloco.kernels as kernels
 from ddiloco.core.codec import (
     CODECS,
     CodecSpec,
@@ -230,11 +232,11 @@ def test_non_contiguous_and_requires_grad_inputs(name):
 @pytest.mark.parametrize("name", CODECS)
 def test_chunking_does_not_change_the_bytes(name, monkeypatch):
     x = _tensor((1000,), 9, 0.0)
-    spec = CodecSpec(name, 24)
+    spec = CodecSpec(name, 24, backend="eager")  # the torch loops are the chunked ones
     expected = encode(x, spec)
     monkeypatch.setattr(quantize, "CHUNK_VALUES", 48)  # 2 blocks per chunk, ragged end
     assert encode(x, spec) == expected
-    assert torch.equal(decode(expected), decode(encode(x, spec)))
+    assert torch.equal(decode(expected), decode(encode(x, spec), backend="eager"))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -470,39 +472,40 @@ def test_bundle_corruptions_are_refused():
 
 # ---------------------------------------------------------------- numba fast path
 
-needs_jit = pytest.mark.skipif(quantize.jit_kernels() is None, reason="numba kernels unavailable")
+JIT_KERNELS = kernels.load("auto")
+needs_jit = pytest.mark.skipif(JIT_KERNELS is None, reason=f"{kernels.unavailable_reason()}")
 # How the kernels run: the serial kernel, and the parallel driver with tiny chunks (forced on
 # small tensors by lowering its threshold) so that rows are split over threads.
 JIT_MODES = ("serial", "parallel")
 
 
 @contextlib.contextmanager
-def _path(path, mode="serial"):
-    """Force quantize's inner loops for the duration: "eager" or "jit" in ``mode``."""
-    saved = quantize.JIT
-    kernels = quantize.jit_kernels()
-    saved_k = (kernels.PARALLEL_MIN_VALUES, kernels.CHUNK_VALUES) if kernels else None
+def _mode(mode):
+    """Run the kernels "serial" or "parallel" (tiny chunks, at least 2 threads) meanwhile."""
+    k = JIT_KERNELS
+    saved = (k.PARALLEL_MIN_VALUES, k.CHUNK_VALUES) if k is not None else None
     threads = torch.get_num_threads()
-    quantize.JIT = path
-    if kernels is not None and mode == "parallel":
-        kernels.PARALLEL_MIN_VALUES, kernels.CHUNK_VALUES = 0, 16
+    if k is not None and mode == "parallel":
+        k.PARALLEL_MIN_VALUES, k.CHUNK_VALUES = 0, 16
         torch.set_num_threads(max(2, threads))
     try:
         yield
     finally:
-        quantize.JIT = saved
         torch.set_num_threads(threads)
-        if kernels is not None:
-            kernels.PARALLEL_MIN_VALUES, kernels.CHUNK_VALUES = saved_k
+        if k is not None:
+            k.PARALLEL_MIN_VALUES, k.CHUNK_VALUES = saved
 
 
 def _both(fn, mode="serial"):
-    """``fn()`` on the eager path and on the numba path."""
-    with _path("eager"):
-        a = fn()
-    with _path("jit", mode):
-        b = fn()
+    """``fn(backend)`` on the eager path and on the numba path (in ``mode``)."""
+    a = fn("eager")
+    with _mode(mode):
+        b = fn("jit")
     return a, b
+
+
+def _on(spec: CodecSpec, backend: str) -> CodecSpec:
+    return dataclasses.replace(spec, backend=backend)
 
 
 def _same_floats(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -547,16 +550,16 @@ def test_jit_and_eager_paths_give_the_same_bytes_and_values(
     spec = CodecSpec(name, block)
     x = _jit_tensor(shape, seed, log_scale, specials, dtype)
     try:
-        a, b = _both(lambda: encode(x, spec), mode)
+        a, b = _both(lambda k: encode(x, _on(spec, k)), mode)
     except CodecError:  # beyond the int range (or Inf as float32): both refuse, same words
-        with _path("eager"), pytest.raises(CodecError) as ea:
-            encode(x, spec)
-        with _path("jit", mode), pytest.raises(CodecError) as eb:
-            encode(x, spec)
+        with pytest.raises(CodecError) as ea:
+            encode(x, _on(spec, "eager"))
+        with _mode(mode), pytest.raises(CodecError) as eb:
+            encode(x, _on(spec, "jit"))
         assert (ea.value.field, str(ea.value)) == (eb.value.field, str(eb.value))
         return
     assert a == b
-    da, db = _both(lambda: decode(a), mode)
+    da, db = _both(lambda k: decode(a, backend=k), mode)
     assert _same_floats(da, db)
 
 
@@ -583,9 +586,9 @@ def test_jit_and_eager_decode_any_codes_and_scales_alike(mode, name, n, block, d
     struct.pack_into(f"<{nb}f", payload, start, *scales)
     size = len(payload) - start - 4 * nb
     payload[start + 4 * nb :] = data.draw(st.binary(min_size=size, max_size=size))
-    da, db = _both(lambda: decode(bytes(payload)), mode)
+    da, db = _both(lambda k: decode(bytes(payload), backend=k), mode)
     assert _same_floats(da, db)
-    ea, eb = _both(lambda: decode(payload), mode)  # a writable buffer: the same kernel
+    ea, eb = _both(lambda k: decode(payload, backend=k), mode)  # writable: the same kernel
     assert _same_floats(ea, da) and _same_floats(eb, db)
 
 
@@ -603,11 +606,11 @@ def test_jit_path_edge_cases(mode, name):
     x[4 * block : 5 * block] = torch.tensor(ties)
     x[-3:] = torch.tensor([-0.0, 3.0, -1.0])
     spec = CodecSpec(name, block)
-    a, b = _both(lambda: encode(x, spec), mode)
+    a, b = _both(lambda k: encode(x, _on(spec, k)), mode)
     assert a == b
-    da, db = _both(lambda: decode(a), mode)
+    da, db = _both(lambda k: decode(a, backend=k), mode)
     assert _same_floats(da, db)
-    a, b = _both(lambda: encode(x[:7], spec), mode)  # only a partial block
+    a, b = _both(lambda k: encode(x[:7], _on(spec, k)), mode)  # only a partial block
     assert a == b
 
 
@@ -631,8 +634,8 @@ def test_jit_path_refuses_nan_and_inf_like_eager(mode, name, bad):
         x[200] = math.inf if math.isnan(bad) else math.nan  # another bad block
         errors = []
         for path, m in (("eager", "serial"), ("jit", mode)):
-            with _path(path, m), pytest.raises(CodecError) as err:
-                encode(x, CodecSpec(name, 128))
+            with _mode(m), pytest.raises(CodecError) as err:
+                encode(x, CodecSpec(name, 128, backend=path))
             errors.append((err.value.field, str(err.value)))
         assert errors[0] == errors[1] and errors[0][0] == "tensor"
 
@@ -648,51 +651,61 @@ def test_jit_rounds_the_exact_product_like_torch():
     for block in (8, 24, 128):  # all vectorized, vectorized + scalar tail, all scalar in torch
         x = torch.full((block,), v)
         x[0] = absmax
-        a, b = _both(lambda x=x, block=block: encode(x, CodecSpec("int8", block)))
+        a, b = _both(lambda k, x=x, block=block: encode(x, CodecSpec("int8", block, backend=k)))
         assert a == b
         assert set(struct.unpack_from(f"<{block - 1}b", a, len(a) - block + 1)) == {q}
 
 
-def test_auto_path_takes_the_kernels_from_the_threshold_on(monkeypatch):
-    monkeypatch.setattr(quantize, "JIT", "auto")
-    monkeypatch.setattr(quantize, "JIT_MIN_VALUES", 100)
-    assert quantize._use_jit(99) is None
-    assert quantize._use_jit(100) is quantize.jit_kernels()
-    monkeypatch.setattr(quantize, "JIT", "eager")
-    assert quantize._use_jit(10**9) is None
+def test_auto_takes_the_kernels_where_usable_and_eager_never():
+    assert kernels.load("eager") is None
+    assert kernels.load("auto") is JIT_KERNELS
+    if JIT_KERNELS is not None:
+        assert kernels.load("jit") is JIT_KERNELS and kernels.unavailable_reason() is None
+    with pytest.raises(ConfigError, match="backend"):
+        kernels.load("fast")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="backend"):
+        CodecSpec("int4", backend="numba")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="backend"):
+        decode(encode(torch.ones(8), CodecSpec("int4")), backend="gpu")  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def fresh_kernels():
+    """Forget the process's kernel import before and after (the test hides numba)."""
+    kernels._jit.cache_clear()
+    yield
+    kernels._jit.cache_clear()
 
 
 @pytest.mark.parametrize("how", ["env", "no numba"])
-def test_without_the_kernels_the_eager_path_runs_silently(how, monkeypatch):
+def test_without_the_kernels_the_eager_path_runs_silently(how, monkeypatch, fresh_kernels):
     x = _tensor((5000,), 6, 0.0)
-    with _path("eager"):
-        expected = {n: encode(x, CodecSpec(n)) for n in INT_CODECS}
-    monkeypatch.setattr(quantize, "_kernels_state", "unloaded")
-    monkeypatch.setattr(quantize, "_kernels", None)
+    expected = {n: encode(x, CodecSpec(n, backend="eager")) for n in INT_CODECS}
     if how == "env":
         monkeypatch.setenv("DDILOCO_NO_JIT", "1")
     else:
         monkeypatch.setitem(sys.modules, "numba", None)  # import numba raises ImportError
-        monkeypatch.delitem(sys.modules, "ddiloco.core.quantize_jit", raising=False)
-    monkeypatch.setattr(quantize, "JIT", "auto")
-    assert quantize.jit_kernels() is None
+        monkeypatch.delitem(sys.modules, "ddiloco.kernels.quantize_jit", raising=False)
+    assert kernels.load("auto") is None
+    assert ("DDILOCO_NO_JIT" if how == "env" else "import") in str(kernels.unavailable_reason())
     for n in INT_CODECS:
         assert encode(x, CodecSpec(n)) == expected[n]
-        assert torch.equal(decode(expected[n]), decode(expected[n]))
-    monkeypatch.setattr(quantize, "JIT", "jit")
-    with pytest.raises(ImportError):
-        encode(x, CodecSpec("int4"))
+        assert torch.equal(decode(expected[n]), decode(expected[n], backend="eager"))
+    with pytest.raises(ImportError, match="backend 'jit'"):
+        encode(x, CodecSpec("int4", backend="jit"))
+    with pytest.raises(ImportError, match="backend 'jit'"):
+        decode(expected["int4"], backend="jit")
 
 
 @needs_jit
 def test_unwritable_numba_cache_only_costs_a_compile(tmp_path):
     """No writable cache directory at all: the kernels compile per process, silently."""
     script = (
-        "import torch, ddiloco.core.quantize as q\n"
+        "import torch\n"
         "from ddiloco.core.codec import CodecSpec, encode, decode\n"
         "x = torch.randn(5000)\n"
-        "q.JIT = 'eager'; a = encode(x, CodecSpec('int4'))\n"
-        "q.JIT = 'jit'; b = encode(x, CodecSpec('int4'))\n"
+        "a = encode(x, CodecSpec('int4', backend='eager'))\n"
+        "b = encode(x, CodecSpec('int4', backend='jit'))\n"
         "assert a == b and torch.equal(decode(a), decode(b)), 'paths differ'\n"
         "print('ok')\n"
     )
@@ -712,18 +725,18 @@ def test_jit_path_from_concurrent_threads():
     """Kernels release the GIL; concurrent callers get the same bytes (one launches the
     parallel kernel at a time, the others run serially)."""
     xs = [_tensor((3000,), s, 0.0) for s in range(4)]
-    with _path("eager"):
-        expected = [encode(x, CodecSpec("int4", 16)) for x in xs]
+    expected = [encode(x, CodecSpec("int4", 16, backend="eager")) for x in xs]
     bad = []
 
     def work(k):
         for r in range(30):
             i = (k + r) % len(xs)
-            payload = encode(xs[i], CodecSpec("int4", 16))
-            if payload != expected[i] or not _same_floats(decode(payload), decode(expected[i])):
+            payload = encode(xs[i], CodecSpec("int4", 16, backend="jit"))
+            got, want = decode(payload, backend="jit"), decode(expected[i], backend="eager")
+            if payload != expected[i] or not _same_floats(got, want):
                 bad.append((k, r))
 
-    with _path("jit", "parallel"):
+    with _mode("parallel"):
         threads = [threading.Thread(target=work, args=(k,)) for k in range(4)]
         for t in threads:
             t.start()

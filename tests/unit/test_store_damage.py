@@ -17,13 +17,13 @@ import torch
 
 from ddiloco.config import load_config
 from ddiloco.runtime.processes import store as store_mod
-from ddiloco.runtime.run import RunSetup
 from ddiloco.runtime.processes.store import (
     FragmentRecord,
     StoreError,
     SyncerStore,
     fingerprint_of,
 )
+from ddiloco.runtime.run import RunSetup
 
 FP = "model=test seed=0 plan=A"
 N = 4

@@ -14,8 +14,8 @@ from hypothesis import strategies as st
 from ddiloco.config import load_config
 from ddiloco.runtime.processes.common import Events
 from ddiloco.runtime.processes.launcher import free_port
-from ddiloco.runtime.run import RunSetup
 from ddiloco.runtime.processes.syncer_service import SyncerService
+from ddiloco.runtime.run import RunSetup
 
 FIELDS = ["inc", "step", "versions", "peer", "tokens", "secs", "rebased", "learner",
           "incarnation", "seq", "fragment", "round_id", "base_version", "local_step",

@@ -58,8 +58,8 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     import torch
 
-    from ddiloco.runtime.run import RunSetup
     from ddiloco.runtime.processes.syncer_service import SyncerService
+    from ddiloco.runtime.run import RunSetup
 
     torch.set_num_threads(max(1, args.threads))
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s syncer %(message)s")

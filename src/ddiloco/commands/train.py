@@ -33,10 +33,10 @@ from ddiloco.chaos.plan import ChaosEvent, ChaosGenerators, expand, load_plan, t
 from ddiloco.commands import add_config_arguments
 from ddiloco.config import RunConfig, load_config, to_toml
 from ddiloco.data.corpus import TokenSplits, split_corpus
+from ddiloco.methods import method_for
 from ddiloco.models.registry import build_model
 from ddiloco.report.metrics import MetricsWriter, Progress, write_json
 from ddiloco.report.plots import plot_run
-from ddiloco.methods import method_for
 from ddiloco.report.text import human_bytes, table
 from ddiloco.runtime.run import RunSetup, make_eval_batches
 from ddiloco.runtime.sim.data_parallel import DataParallelSim

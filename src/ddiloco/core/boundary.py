@@ -24,7 +24,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from ddiloco.core.learner_state import LearnerSync, Snapshot
+from ddiloco.core.learner_state import Answer, LearnerSync
 from ddiloco.core.rounds import UNSOLICITED
 
 
@@ -39,11 +39,11 @@ class StepBoundary:
 
     def answers(
         self, asks: Mapping[int, int], params: Mapping[str, torch.Tensor], step_end: bool = True
-    ) -> list[Snapshot]:
+    ) -> list[Answer]:
         """The answers to send now, in order: a lock-step learner's own pushes of the
         fragments due at this step (``step_end``: once per step), then the asks (fragment ->
         round id) it owes."""
-        out: list[Snapshot] = []
+        out: list[Answer] = []
         sync = self.sync
         if self.waits_for_merge and step_end and sync.step > 0:
             for p in sync.plan.due(sync.step):
@@ -54,10 +54,10 @@ class StepBoundary:
                 out.append(self._answer(p, round_id, params))
         return out
 
-    def _answer(self, p: int, round_id: int, params: Mapping[str, torch.Tensor]) -> Snapshot:
-        snap = self.sync.answer(p, round_id, params)
+    def _answer(self, p: int, round_id: int, params: Mapping[str, torch.Tensor]) -> Answer:
+        answer = self.sync.answer(p, round_id, params)
         self.sent[p] = (self.sync.step, self.sync.versions[p])
-        return snap
+        return answer
 
     def apply(
         self,

@@ -20,7 +20,7 @@ from ddiloco.errors import ConfigError, require
 
 
 @dataclass(frozen=True)
-class Snapshot:
+class Answer:
     """An answer ready to encode and send: metadata plus delta = theta - Theta_base (fp32)."""
 
     meta: AnswerMeta
@@ -67,7 +67,7 @@ class LearnerSync:
             self.c_tokens[f] += tokens
 
     @torch.no_grad()
-    def answer(self, fragment: int, round_id: int, params: Mapping[str, torch.Tensor]) -> Snapshot:
+    def answer(self, fragment: int, round_id: int, params: Mapping[str, torch.Tensor]) -> Answer:
         """Snapshot ``fragment`` now: its delta against the base, with the counters."""
         self._check(fragment)
         current = gather(self.plan, fragment, params)
@@ -87,7 +87,7 @@ class LearnerSync:
             c_tokens=self.c_tokens[fragment],
         )
         self.seq += 1
-        return Snapshot(meta, delta)
+        return Answer(meta, delta)
 
     @torch.no_grad()
     def apply(

@@ -75,7 +75,8 @@ class CausalSelfAttention(nn.Module):
         q, k, v = (z.view(b, t, self.n_head, c // self.n_head).transpose(1, 2) for z in (q, k, v))
         drop = self.dropout if self.training else 0.0
         y = F.scaled_dot_product_attention(q, k, v, dropout_p=drop, is_causal=True)
-        return self.proj(y.transpose(1, 2).contiguous().view(b, t, c))
+        out: torch.Tensor = self.proj(y.transpose(1, 2).contiguous().view(b, t, c))
+        return out
 
 
 class MLP(nn.Module):
@@ -85,7 +86,8 @@ class MLP(nn.Module):
         self.proj = nn.Linear(4 * config.n_embd, config.n_embd)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.proj(F.gelu(self.fc(x)))
+        out: torch.Tensor = self.proj(F.gelu(self.fc(x)))
+        return out
 
 
 class MoE(nn.Module):
@@ -125,7 +127,8 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x))
-        return x + self.mlp(self.ln_2(x))
+        out: torch.Tensor = x + self.mlp(self.ln_2(x))
+        return out
 
 
 class GPT(nn.Module):

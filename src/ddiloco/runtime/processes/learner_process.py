@@ -35,9 +35,9 @@ from ddiloco.runtime.processes.common import Events, new_session, pack_tree, unp
 from ddiloco.runtime.processes.link import SyncerLink
 from ddiloco.runtime.processes.peer import PeerError, SnapshotServer, fetch_snapshot
 from ddiloco.runtime.processes.ranks import Apply, RankGroup
-from ddiloco.runtime.run import RunSetup
 from ddiloco.runtime.processes.shm import writer_for
 from ddiloco.runtime.processes.wire import Limits, Wire
+from ddiloco.runtime.run import RunSetup
 from ddiloco.trainer import Trainer
 
 log = logging.getLogger(__name__)
@@ -187,8 +187,8 @@ class LearnerProcess:
         applies: list[Apply] = []
         stop = wait = False
         if self.ranks.leader:
-            for snap in self.boundary.answers(self.link.take_asks(), params, step_end):
-                self.link.push(snap)
+            for answer in self.boundary.answers(self.link.take_asks(), params, step_end):
+                self.link.push(answer)
             inbox = self.link.take_inbox()
             applies = [(p, v, vals) for p, (v, vals) in sorted(inbox.items())]
             self.rebased.extend(self.boundary.apply(inbox, params))

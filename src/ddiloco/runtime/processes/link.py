@@ -9,6 +9,13 @@ twice). When the syncer goes silent it reconnects with capped exponential backof
 jitter, and registers again. No algorithm logic: the core's LearnerSync stays in the
 training thread.
 
+The link is always in one :class:`LinkState`: UNREGISTERED (started; the training thread
+has not asked for a hello yet), HELLO (saying hello, with capped backoff, until a welcome),
+LIVE (welcomed by the current syncer life; a rehello, a new syncer session or a silence sends
+it back to HELLO), FAILED (the learner must stop; :attr:`SyncerLink.fatal` says why). The
+training thread hands it typed messages (:class:`Progress`, :class:`Push`, :class:`Hello`,
+:class:`Bye`, :class:`AskPeers`) through one queue, so their order is kept.
+
 It never trains alone in silence: a syncer that refuses its credentials (wrong secret or run
 id), or one that has not answered for ``give_up_seconds``, sets :attr:`SyncerLink.fatal` to
 a message naming the cause, and the learner stops with it.
@@ -21,12 +28,14 @@ import logging
 import queue
 import threading
 import time
+from dataclasses import dataclass
+from enum import Enum
 from typing import Any
 
 import zmq
 
 from ddiloco.core.codec import CodecSpec, encode_tensors
-from ddiloco.core.learner_state import Snapshot
+from ddiloco.core.learner_state import Answer
 from ddiloco.runtime.processes.auth import HandshakeWatch, present
 from ddiloco.runtime.processes.common import Backoff, Socket, configure
 from ddiloco.runtime.processes.wire import (
@@ -42,6 +51,45 @@ from ddiloco.runtime.processes.wire import (
 log = logging.getLogger(__name__)
 
 Key = tuple[int, int, int]
+
+
+class LinkState(Enum):
+    UNREGISTERED = "unregistered"
+    HELLO = "hello"
+    LIVE = "live"
+    FAILED = "failed"
+
+
+@dataclass(frozen=True)
+class Progress:
+    """A progress report's metadata (step, tokens, seconds, fragments rebased)."""
+
+    meta: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Push:
+    """An answer to encode, send, and keep until the syncer acknowledges it."""
+
+    answer: Answer
+
+
+@dataclass(frozen=True)
+class Hello:
+    """Register (again): say hello until welcomed."""
+
+
+@dataclass(frozen=True)
+class Bye:
+    """A clean leave."""
+
+
+@dataclass(frozen=True)
+class AskPeers:
+    """Ask the syncer for the live peers' recovery addresses."""
+
+
+Outgoing = Progress | Push | Hello | Bye | AskPeers
 
 
 class SyncerLink(threading.Thread):
@@ -73,7 +121,7 @@ class SyncerLink(threading.Thread):
         self.last_welcome = time.monotonic()  # since when we have been without a syncer
         self.max_pending = max_pending
         self.backoff = Backoff(0.2, 2.0)
-        self.outbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self.outbox: queue.SimpleQueue[Outgoing] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._asks: dict[int, int] = {}
         self._inbox: dict[int, tuple[int, list[Any]]] = {}
@@ -81,9 +129,9 @@ class SyncerLink(threading.Thread):
         self.sent_to: dict[Key, int | None] = {}  # the syncer session an answer went to
         self.slots: dict[Key, bytes] = {}  # shared-memory reference of each pending answer
         self.status: dict[str, Any] = {}  # what a hello says; replaced by the training thread
-        self.registered = False
+        self.state = LinkState.UNREGISTERED
         self.welcome: dict[str, Any] | None = None
-        self.welcomed = threading.Event()
+        self.welcomed = threading.Event()  # set in LIVE and FAILED: whoever waits, wakes
         self.stopped = threading.Event()
         self._closing = threading.Event()
         self._peers: queue.SimpleQueue[dict[str, str]] = queue.SimpleQueue()
@@ -99,17 +147,17 @@ class SyncerLink(threading.Thread):
 
     # -- the training thread's side (never blocks) ----------------------------------------
     def progress(self, meta: dict[str, Any]) -> None:
-        self.outbox.put(("progress", meta))
+        self.outbox.put(Progress(meta))
 
-    def push(self, snap: Snapshot) -> None:
-        self.outbox.put(("answer", snap))
+    def push(self, answer: Answer) -> None:
+        self.outbox.put(Push(answer))
 
     def register(self, status: dict[str, Any]) -> None:
         self.status = status
-        self.outbox.put(("hello", None))
+        self.outbox.put(Hello())
 
     def bye(self) -> None:
-        self.outbox.put(("bye", None))
+        self.outbox.put(Bye())
 
     def take_asks(self) -> dict[int, int]:
         with self._lock:
@@ -125,7 +173,7 @@ class SyncerLink(threading.Thread):
         """Ask the syncer for the live peers' recovery addresses (used before training)."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline and self.fatal is None:
-            self.outbox.put(("peers", None))
+            self.outbox.put(AskPeers())
             try:
                 return self._peers.get(timeout=1.0)
             except queue.Empty:
@@ -133,7 +181,7 @@ class SyncerLink(threading.Thread):
         return {}
 
     def close(self, flush_seconds: float = 0.5) -> None:
-        time.sleep(flush_seconds if self.registered else 0.0)
+        time.sleep(flush_seconds if self.state is not LinkState.UNREGISTERED else 0.0)
         self._closing.set()
         self.join(timeout=5.0)
         self.wire.close()
@@ -159,11 +207,11 @@ class SyncerLink(threading.Thread):
                     self._handle(frames)
             self._drain()
             now = time.monotonic()
-            if self.registered and not self.welcomed.is_set() and now >= self.next_hello:
+            if self.state is LinkState.HELLO and now >= self.next_hello:
                 self._hello()  # until the syncer answers, with capped, jittered backoff
-            elif self.welcomed.is_set() and now - self.last_rx > self.silence:
+            elif self.state is LinkState.LIVE and now - self.last_rx > self.silence:
                 self._reconnect()
-            if self.registered and not self.welcomed.is_set():
+            if self.state is LinkState.HELLO:
                 if now - self.last_welcome > self.give_up:
                     failed = self.failed_handshakes
                     hint = (f"; {failed} handshakes failed: is it a ddiloco syncer of this "
@@ -179,7 +227,23 @@ class SyncerLink(threading.Thread):
     def _fail(self, why: str) -> None:
         log.error("learner %d: %s", self.learner, why)
         self.fatal = why
-        self.welcomed.set()  # wake whoever waits for a welcome: there will be none
+        self._enter(LinkState.FAILED)  # whoever waits for a welcome wakes: there is none
+
+    def _enter(self, state: LinkState) -> None:
+        """The one place the state changes (and the welcome event follows it)."""
+        if self.state is LinkState.FAILED:
+            return  # final
+        self.state = state
+        if state in (LinkState.LIVE, LinkState.FAILED):
+            self.welcomed.set()
+        else:
+            self.welcomed.clear()
+
+    def _rehello(self) -> None:
+        """Back to saying hello (if registered): the syncer does not know this life."""
+        if self.state is not LinkState.UNREGISTERED:
+            self._enter(LinkState.HELLO)
+            self._hello()
 
     def _connect(self) -> None:
         sock = self.ctx.socket(zmq.DEALER)
@@ -205,7 +269,8 @@ class SyncerLink(threading.Thread):
         log.warning("learner %d: syncer silent for %.1fs; reconnecting", self.learner,
                     time.monotonic() - self.last_rx)  # fmt: skip
         self._disconnect()
-        self.welcomed.clear()
+        if self.state is LinkState.LIVE:
+            self._enter(LinkState.HELLO)
         self.reconnects += 1
         self._connect()
         self.next_hello = time.monotonic() + self.backoff.next_delay()
@@ -228,18 +293,21 @@ class SyncerLink(threading.Thread):
     def _drain(self) -> None:
         while True:
             try:
-                kind, item = self.outbox.get_nowait()
+                item = self.outbox.get_nowait()
             except queue.Empty:
                 return
-            if kind == "answer":
-                self._answer(item)
-            elif kind == "progress":
-                self._progress(item)
-            elif kind == "hello":
-                self.registered = True
+            if isinstance(item, Push):
+                self._answer(item.answer)
+            elif isinstance(item, Progress):
+                self._progress(item.meta)
+            elif isinstance(item, Hello):
+                if self.state is not LinkState.LIVE:
+                    self._enter(LinkState.HELLO)
                 self._hello()
+            elif isinstance(item, Bye):
+                self._send("bye")
             else:
-                self._send(kind)
+                self._send("peers")
 
     def _progress(self, meta: dict[str, Any]) -> None:
         """Send a progress report; while unregistered (or unsent), fold it into the next one,
@@ -248,16 +316,16 @@ class SyncerLink(threading.Thread):
             meta = {**meta, "tokens": self.carry["tokens"] + meta["tokens"],
                     "rebased": sorted({*self.carry["rebased"], *meta["rebased"]})}  # fmt: skip
             self.carry = None
-        if not (self.welcomed.is_set() and self._send("progress", meta=meta) is not None):
+        if not (self.state is LinkState.LIVE and self._send("progress", meta=meta) is not None):
             self.carry = meta
 
-    def _answer(self, snap: Snapshot) -> None:
-        meta = dataclasses.asdict(snap.meta)
-        payload = encode_tensors(snap.delta, self.codec)
-        self.pending[snap.meta.key] = (meta, payload)
+    def _answer(self, answer: Answer) -> None:
+        meta = dataclasses.asdict(answer.meta)
+        payload = encode_tensors(answer.delta, self.codec)
+        self.pending[answer.meta.key] = (meta, payload)
         while len(self.pending) > self.max_pending:
             self._forget(next(iter(self.pending)))
-        if self.welcomed.is_set():
+        if self.state is LinkState.LIVE:
             self._send_answer(meta, payload)
 
     def _send_answer(self, meta: dict[str, Any], payload: bytes) -> None:
@@ -292,9 +360,8 @@ class SyncerLink(threading.Thread):
             if self.syncer_session is not None:
                 log.warning("learner %d: the syncer restarted; registering again", self.learner)
             self.syncer_session = h.session
-            if self.registered and h.kind not in ("welcome", "rehello"):
-                self.welcomed.clear()
-                self._hello()
+            if h.kind not in ("welcome", "rehello"):
+                self._rehello()
         if h.kind == "ask":
             with self._lock:
                 self._asks[h.fragment] = h.round
@@ -305,7 +372,7 @@ class SyncerLink(threading.Thread):
             self._forget((key[0], key[1], key[2]))
         elif h.kind == "welcome":
             self.welcome = h.meta
-            self.welcomed.set()
+            self._enter(LinkState.LIVE)
             self.backoff.reset()
             if self.carry is not None:  # trained tokens first, then the answers they back
                 self._progress({**self.carry, "tokens": 0, "rebased": []})
@@ -313,9 +380,7 @@ class SyncerLink(threading.Thread):
                 if self.sent_to.get(key) != h.session:  # a restarted syncer lost them
                     self._send_answer(meta, payload)
         elif h.kind == "rehello" or (h.kind == "beat" and not h.meta.get("live", True)):
-            if self.registered:
-                self.welcomed.clear()
-                self._hello()
+            self._rehello()
         elif h.kind == "peers":
             self._peers.put(h.meta.get("peers", {}))
         elif h.kind == "stop":

@@ -30,8 +30,8 @@ from ddiloco.core.outer import make_outer_optimizer
 from ddiloco.core.plans import gather
 from ddiloco.core.robust import scaled
 from ddiloco.core.syncer_state import MergeResult, SyncerConfig, merge_step
-from ddiloco.runtime.run import RunSetup
 from ddiloco.runtime.processes.store_format import _CRC, _HEAD, Key, StoreError
+from ddiloco.runtime.run import RunSetup
 
 if TYPE_CHECKING:
     from ddiloco.runtime.processes.store import SyncerStore

@@ -1,26 +1,19 @@
-"""A finished simulated run's summary: quality, tokens by fate, goodput, uptime, bytes."""
+"""A finished simulated run's summary: what the nodes, the ledger and the links measured,
+in the schema every runtime writes (:mod:`ddiloco.report.summary`)."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from ddiloco.core import ledger as reasons
+from ddiloco.report.summary import fragment_goodput, summary
 
 if TYPE_CHECKING:
     from ddiloco.runtime.sim.engine import FragmentSim
 
-# Waste caused by failures; the rest is the algorithm's own (overlap overwrites, staleness).
-FAILURE_REASONS = (reasons.CRASH, reasons.LOST_IN_FLIGHT)
-
 
 def summarize(sim: FragmentSim, final_loss: float) -> dict[str, Any]:
-    """The summary.json of one method.
-
-    goodput = (tokens trained - tokens lost to failures) / (tokens trained + tokens the
-    learners could have trained while down or waiting in lock-step): the paper's "useful
-    compute over allocated compute". token_efficiency = merged / trained is the algorithm's
-    own share, reported apart so the two effects are not mixed (docs/decisions.md).
-    """
+    """The summary.json of one method. The capacity lost is what the learners could have
+    trained while down or waiting in lock-step (goodput's denominator)."""
     ledger = sim.ledger.summary()
     now = sim.clock.now
     per_step = sim.config.train.batch_size * sim.seq_len
@@ -31,30 +24,27 @@ def summarize(sim: FragmentSim, final_loss: float) -> dict[str, Any]:
         lost_capacity += down / step * per_step
     mean_step = sim.config.hardware.step_seconds
     lost_capacity += sim.idle_seconds / mean_step * per_step
-    merged = float(ledger["tokens_merged"])  # type: ignore[arg-type]
     wasted: dict[str, float] = ledger["tokens_wasted"]  # type: ignore[assignment]
-    lost_to_failures = sum(wasted.get(r, 0.0) for r in FAILURE_REASONS)
-    return {
-        "method": sim.method.name,
-        "eval_loss": final_loss,
-        "tokens": sim.tokens,
-        "tokens_merged": merged,
-        "tokens_wasted": wasted,
-        "ledger_balanced": ledger["balanced"],
-        "goodput": (sim.tokens - lost_to_failures) / max(sim.tokens + lost_capacity, 1.0),
-        "token_efficiency": merged / max(sim.tokens, 1),
-        "uptime": sim.up_seconds / now if now > 0 else 1.0,
-        "idle_seconds": sim.idle_seconds,
-        "virtual_seconds": now,
-        "bytes_sent": sim.bytes_up,
-        "bytes_received": sim.bytes_down,
-        "bytes_peer_recovery": sim.bytes_peer,
-        "bytes_per_token": (sim.bytes_up + sim.bytes_down) / max(sim.tokens, 1),
-        "rounds": sim.syncer.counts.get("merged_rounds", 0),
-        "answers": dict(sorted(sim.syncer.counts.items())),
-        "plan": {
+    return summary(
+        method=sim.method.name,
+        runtime="sim",
+        eval_loss=final_loss,
+        tokens=sim.tokens,
+        tokens_merged=float(ledger["tokens_merged"]),  # type: ignore[arg-type]
+        tokens_wasted=wasted,
+        ledger_balanced=bool(ledger["balanced"]),
+        goodput=fragment_goodput(sim.tokens, wasted, lost_capacity),
+        uptime=sim.up_seconds / now if now > 0 else 1.0,
+        idle_seconds=sim.idle_seconds,
+        seconds=now,
+        bytes_sent=sim.bytes_up,
+        bytes_received=sim.bytes_down,
+        bytes_peer_recovery=sim.bytes_peer,
+        rounds=sim.syncer.counts.get("merged_rounds", 0),
+        answers=dict(sorted(sim.syncer.counts.items())),
+        plan={
             "fragments": sim.plan.num_fragments,
             "imbalance": sim.plan.imbalance,
             "peak_bytes_per_step": sim.plan.peak_bytes_per_step,
         },
-    }
+    )

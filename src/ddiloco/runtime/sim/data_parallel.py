@@ -19,8 +19,9 @@ from typing import Any
 
 import torch
 
-from ddiloco.config import ChaosEvent
+from ddiloco.chaos.plan import ChaosEvent
 from ddiloco.data.corpus import BatchStream
+from ddiloco.report.summary import summary
 from ddiloco.runtime.run import RunSetup
 from ddiloco.runtime.sim.world import Network, StepTimes
 from ddiloco.trainer import Trainer, evaluate
@@ -170,20 +171,18 @@ class DataParallelSim:
     def _summary(self, final: float) -> dict[str, Any]:
         allocated = (self.config.train.learners) * self.now
         kept = self.tokens - self.wasted
-        return {
-            "method": self.method.name,
-            "eval_loss": final,
-            "tokens": self.tokens,
-            "tokens_merged": float(kept),
-            "tokens_wasted": {"rollback": float(self.wasted)} if self.wasted else {},
-            "ledger_balanced": True,
+        return summary(
+            method=self.method.name,
+            runtime="sim",
+            eval_loss=final,
+            tokens=self.tokens,
+            tokens_merged=float(kept),
+            tokens_wasted={"rollback": float(self.wasted)} if self.wasted else {},
             # useful compute / allocated compute: replica-time of kept steps over every
             # replica slot for the whole run
-            "goodput": self.kept_replica_seconds / max(allocated, 1e-9),
-            "token_efficiency": kept / max(self.tokens, 1),
-            "uptime": self.stepping_seconds / max(self.now, 1e-9),
-            "virtual_seconds": self.now,
-            "bytes_sent": self.bytes,
-            "bytes_received": self.bytes,
-            "bytes_per_token": 2 * self.bytes / max(self.tokens, 1),
-        }
+            goodput=self.kept_replica_seconds / max(allocated, 1e-9),
+            uptime=self.stepping_seconds / max(self.now, 1e-9),
+            seconds=self.now,
+            bytes_sent=self.bytes,
+            bytes_received=self.bytes,
+        )

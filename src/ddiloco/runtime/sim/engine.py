@@ -96,7 +96,9 @@ class FragmentSim:
         self.evaluate()
         for node in self.nodes:
             if node.up:
-                self.clock.at(self.step_times.sample(node.id), self.step_done, node.id, node.life)
+                self.clock.at(
+                    self.step_times.sample(node.id), self.step_done, node.id, node.incarnation
+                )
         for event in self.config.chaos:
             self.clock.at(event.at, self.faults.strike, event)
         while not self.finished and self.clock.step():
@@ -110,9 +112,9 @@ class FragmentSim:
         return summarize(self, final)
 
     # -- learners ---------------------------------------------------------------------------
-    def step_done(self, m: int, life: int) -> None:
+    def step_done(self, m: int, incarnation: int) -> None:
         node = self.nodes[m]
-        if not node.up or node.life != life or self.finished:
+        if not node.up or node.incarnation != incarnation or self.finished:
             return
         if node.frozen:  # the step finished computing as the process was stopped
             node.step_pending = True
@@ -138,7 +140,7 @@ class FragmentSim:
         node.next_step = step_seconds
         latency = self.config.network.latency_seconds
         self.clock.after(
-            latency, self._progress_arrive, node.id, node.life, node.sync.step, step_seconds
+            latency, self._progress_arrive, node.id, node.incarnation, node.sync.step, step_seconds
         )
 
     def at_boundary(self, node: Node, step_end: bool = True) -> None:
@@ -146,12 +148,13 @@ class FragmentSim:
         fragments that arrived). ``step_end`` is False when a waiting learner is woken up at
         the same boundary again."""
         params = node.trainer.params()
-        for snap in node.boundary.answers(node.asks, params, step_end):
-            payload = encode_tensors(snap.delta, self.sync.codec_spec())
-            self.ledger.answered(node.id, snap.meta.fragment, snap.meta.key, snap.meta.c_tokens)
+        for answer in node.boundary.answers(node.asks, params, step_end):
+            meta = answer.meta
+            payload = encode_tensors(answer.delta, self.sync.codec_spec())
+            self.ledger.answered(node.id, meta.fragment, meta.key, meta.c_tokens)
             self.bytes_up += len(payload)
             arrival = self.network.up(node.id, self.clock.now, len(payload))
-            self.clock.at(arrival, self._answer_arrive, node.id, node.life, snap.meta, payload)
+            self.clock.at(arrival, self._answer_arrive, node.id, node.incarnation, meta, payload)
         node.asks.clear()
         for p in node.boundary.apply(node.inbox, params):
             self.ledger.rebased(node.id, p)
@@ -163,20 +166,20 @@ class FragmentSim:
             node.state = NodeState.WAITING
             node.waiting_since = self.clock.now
             return
-        self.clock.after(node.next_step, self.step_done, node.id, node.life)
+        self.clock.after(node.next_step, self.step_done, node.id, node.incarnation)
 
-    def ask_arrive(self, m: int, life: int, p: int, round_id: int) -> None:
+    def ask_arrive(self, m: int, incarnation: int, p: int, round_id: int) -> None:
         node = self.nodes[m]
-        if node.up and node.life == life:
+        if node.up and node.incarnation == incarnation:
             node.asks[p] = round_id
             if node.state is NodeState.WAITING:  # a waiting learner answers right away
                 self.wake(node)
 
     def broadcast_arrive(
-        self, m: int, life: int, p: int, version: int, values: list[torch.Tensor]
+        self, m: int, incarnation: int, p: int, version: int, values: list[torch.Tensor]
     ) -> None:
         node = self.nodes[m]
-        if not (node.up and node.life == life):
+        if not (node.up and node.incarnation == incarnation):
             return
         held = node.inbox.get(p)
         if held is None or held[0] < version:
@@ -193,22 +196,24 @@ class FragmentSim:
             self.idle_seconds += self.clock.now - (node.waiting_since or self.clock.now)
             node.state = NodeState.STEPPING
             node.waiting_since = None
-            self.clock.after(node.next_step, self.step_done, node.id, node.life)
+            self.clock.after(node.next_step, self.step_done, node.id, node.incarnation)
 
     # -- syncer -----------------------------------------------------------------------------
-    def _progress_arrive(self, m: int, life: int, step: int, step_seconds: float) -> None:
+    def _progress_arrive(self, m: int, incarnation: int, step: int, step_seconds: float) -> None:
         node = self.nodes[m]
-        if node.life != life or m not in self.syncer.policy.progress:
+        if node.incarnation != incarnation or m not in self.syncer.policy.progress:
             return
         latency = self.config.network.latency_seconds
         for rnd in self.syncer.on_progress(m, step, self.clock.now, step_seconds):
             for a in sorted(rnd.asked):
-                life_a = self.nodes[a].life
-                self.clock.after(latency, self.ask_arrive, a, life_a, rnd.fragment, rnd.round_id)
+                incarnation_a = self.nodes[a].incarnation
+                self.clock.after(
+                    latency, self.ask_arrive, a, incarnation_a, rnd.fragment, rnd.round_id
+                )
         self.poll()
 
-    def _answer_arrive(self, m: int, life: int, meta: AnswerMeta, payload: bytes) -> None:
-        if self.nodes[m].life != life:  # the learner died while this was on the wire
+    def _answer_arrive(self, m: int, incarnation: int, meta: AnswerMeta, payload: bytes) -> None:
+        if self.nodes[m].incarnation != incarnation:  # the learner died while this was on the wire
             self.ledger.wasted_answer(meta.key, reasons.LOST_IN_FLIGHT)
             return
         verdict = self.syncer.on_answer(meta, decode_tensors(payload), self.clock.now)
@@ -243,7 +248,7 @@ class FragmentSim:
             self.bytes_down += len(payload)
             last = max(last, arrival)
             copy = [v.clone() for v in values]
-            self.clock.at(arrival, self.broadcast_arrive, m, self.nodes[m].life,
+            self.clock.at(arrival, self.broadcast_arrive, m, self.nodes[m].incarnation,
                           result.fragment, result.version, copy)  # fmt: skip
         self.syncer.record_sync_time(last - now)
         self.emit({
@@ -259,7 +264,7 @@ class FragmentSim:
         payload = encode_tensors(self.syncer.fragments[p], self.sync.broadcast_spec())
         self.bytes_down += len(payload)
         arrival = self.network.down(node.id, self.clock.now, len(payload))
-        self.clock.at(arrival, self.broadcast_arrive, node.id, node.life, p,
+        self.clock.at(arrival, self.broadcast_arrive, node.id, node.incarnation, p,
                       self.syncer.versions[p], decode_tensors(payload))  # fmt: skip
 
     # -- measurement ------------------------------------------------------------------------

@@ -14,7 +14,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from ddiloco.config import ChaosEvent, RunConfig
+from ddiloco.chaos.plan import ChaosEvent
+from ddiloco.config import RunConfig
 from ddiloco.core import ledger as reasons
 from ddiloco.core.boundary import StepBoundary
 from ddiloco.core.learner_state import LearnerSync
@@ -42,11 +43,11 @@ class Engine(Protocol):
     bytes_peer: int
 
     def boundary_of(self, sync: LearnerSync) -> StepBoundary: ...
-    def step_done(self, m: int, life: int) -> None: ...
+    def step_done(self, m: int, incarnation: int) -> None: ...
     def wake(self, node: Node) -> None: ...
     def poll(self) -> None: ...
     def account_uptime(self) -> None: ...
-    def ask_arrive(self, m: int, life: int, p: int, round_id: int) -> None: ...
+    def ask_arrive(self, m: int, incarnation: int, p: int, round_id: int) -> None: ...
     def send_latest(self, node: Node, p: int) -> None: ...
 
 
@@ -99,20 +100,20 @@ class Faults:
         sim = self.sim
         detect = sim.config.network.detect_seconds
         if event.duration > detect:  # its heartbeats stop: the syncer gives up on it
-            sim.clock.after(detect, self._detected, node.id, node.life)
-        sim.clock.after(event.duration, self._thaw, node.id, node.life)
+            sim.clock.after(detect, self._detected, node.id, node.incarnation)
+        sim.clock.after(event.duration, self._thaw, node.id, node.incarnation)
 
-    def _thaw(self, m: int, life: int) -> None:
+    def _thaw(self, m: int, incarnation: int) -> None:
         sim = self.sim
         node = sim.nodes[m]
-        if node.life != life or not node.frozen:
+        if node.incarnation != incarnation or not node.frozen:
             return
         node.frozen = False
         if m not in sim.syncer.policy.progress:  # it had been given up on: register again
             self._rejoin(node)
         if node.step_pending:
             node.step_pending = False
-            sim.clock.after(0.0, sim.step_done, m, life)
+            sim.clock.after(0.0, sim.step_done, m, incarnation)
         elif node.state is NodeState.WAITING:
             sim.wake(node)
 
@@ -122,8 +123,10 @@ class Faults:
             return
         sim = self.sim
         self._drop(node, reasons.CRASH, NodeState.DOWN)
-        sim.clock.after(sim.config.network.detect_seconds, self._detected, node.id, node.life)
-        sim.clock.after(event.duration, self._restart, node.id, node.life)
+        sim.clock.after(
+            sim.config.network.detect_seconds, self._detected, node.id, node.incarnation
+        )
+        sim.clock.after(event.duration, self._restart, node.id, node.incarnation)
 
     def _leave(self, node: Node, event: ChaosEvent) -> None:
         """A clean leave: it says goodbye, so the syncer stops waiting for it at once."""
@@ -139,7 +142,7 @@ class Faults:
         sim = self.sim
         for other in sim.nodes:  # whoever was copying this learner's state starts over
             if other.copying_from == node.id:
-                self._restart(other.id, other.life)
+                self._restart(other.id, other.incarnation)
         now = sim.clock.now
         sim.account_uptime()
         if node.waiting_since is not None:
@@ -148,7 +151,7 @@ class Faults:
         node.frozen = False
         node.step_pending = False
         node.waiting_since = None
-        node.life += 1
+        node.incarnation += 1
         node.down_since = now
         node.asks.clear()
         node.inbox.clear()
@@ -156,10 +159,10 @@ class Faults:
         sim.ledger.crashed(node.id, reason)
         sim.network.reset(node.id, now)
 
-    def _detected(self, m: int, life: int) -> None:
+    def _detected(self, m: int, incarnation: int) -> None:
         sim = self.sim
         node = sim.nodes[m]
-        if node.life == life and not node.running:
+        if node.incarnation == incarnation and not node.running:
             sim.syncer.policy.leave(m, sim.clock.now)
             sim.emit({"kind": "detected", "t": sim.clock.now, "learner": m})
             sim.poll()
@@ -168,16 +171,16 @@ class Faults:
     def _join(self, node: Node, event: ChaosEvent) -> None:
         if node.up:
             return
-        node.life += 1
+        node.incarnation += 1
         if node.down_since is None:
             node.down_since = self.sim.clock.now  # absent slots count from their first join
-        self._restart(node.id, node.life)
+        self._restart(node.id, node.incarnation)
 
-    def _restart(self, m: int, life: int) -> None:
+    def _restart(self, m: int, incarnation: int) -> None:
         """Register again and pull a full state from a healthy peer (or the syncer)."""
         sim = self.sim
         node = sim.nodes[m]
-        if node.life != life or node.up:
+        if node.incarnation != incarnation or node.up:
             return
         peers = [n for n in sim.nodes if n.running and n.id not in (m, node.copying_from)]
         now = sim.clock.now
@@ -192,12 +195,12 @@ class Faults:
             nbytes = sim.plan.total_bytes
             arrival = sim.network.down(m, now, nbytes)
         sim.bytes_peer += nbytes
-        sim.clock.at(arrival, self._recovered, m, life, node.copying_from, node.attempt)
+        sim.clock.at(arrival, self._recovered, m, incarnation, node.copying_from, node.attempt)
 
-    def _recovered(self, m: int, life: int, peer_id: int | None, attempt: int) -> None:
+    def _recovered(self, m: int, incarnation: int, peer_id: int | None, attempt: int) -> None:
         sim = self.sim
         node = sim.nodes[m]
-        if node.life != life or node.up or node.attempt != attempt:
+        if node.incarnation != incarnation or node.up or node.attempt != attempt:
             return
         node.copying_from = None
         if peer_id is not None:
@@ -214,7 +217,7 @@ class Faults:
                                versions=sim.syncer.versions)  # fmt: skip
             sync.step = sim.syncer.policy.global_step
             node.boundary = sim.boundary_of(sync)
-        node.sync.incarnation = life
+        node.sync.incarnation = incarnation
         sim.account_uptime()
         node.state = NodeState.STEPPING
         now = sim.clock.now
@@ -223,14 +226,14 @@ class Faults:
         sim.emit({"kind": "recovered", "t": now, "learner": m, "peer": peer_id})
         self._rejoin(node)
         node.next_step = sim.step_times.sample(m)
-        sim.clock.after(node.next_step, sim.step_done, m, life)
+        sim.clock.after(node.next_step, sim.step_done, m, incarnation)
 
     def _rejoin(self, node: Node) -> None:
         """Register with the syncer and get every fragment newer than what it holds."""
         sim = self.sim
         latency = sim.config.network.latency_seconds
         for rnd in sim.syncer.policy.join(node.id, node.sync.step):
-            sim.clock.after(latency, sim.ask_arrive, node.id, node.life, rnd.fragment,
+            sim.clock.after(latency, sim.ask_arrive, node.id, node.incarnation, rnd.fragment,
                             rnd.round_id)  # fmt: skip
         for p in range(sim.plan.num_fragments):
             if sim.syncer.versions[p] > node.sync.versions[p]:

@@ -11,7 +11,7 @@ whatever the slot was doing, and thawing resumes it. The transitions, and who ma
 - COPYING -> COPYING: the peer being copied died, start over (a new ``attempt``);
 - COPYING -> STEPPING: the copy arrived (the faults' ``recovered``).
 
-``life`` counts process lives: an event scheduled for an earlier life is ignored.
+``incarnation`` counts process lives: an event scheduled for an earlier incarnation is ignored.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ class Node:
     state: NodeState = NodeState.STEPPING
     frozen: bool = False  # SIGSTOP: nothing runs, state kept
     step_pending: bool = False  # a step ended while frozen
-    life: int = 0
+    incarnation: int = 0
     asks: dict[int, int] = field(default_factory=dict)  # fragment -> round id
     inbox: dict[int, tuple[int, list[torch.Tensor]]] = field(default_factory=dict)
     waiting_since: float | None = None  # WAITING: since when
