@@ -5,10 +5,10 @@ traffic of handing over the default bf16 payload). Measured: encoding the same N
 given as float32, plus decoding the payload. Each codec run is interleaved with a baseline
 run in this one process; ratios are baseline / (encode + decode), from medians.
 
-The int codecs run twice, on each path of :mod:`ddiloco.core.quantize`: ``jit`` (the numba
-kernels) and ``eager`` (the torch loops), side by side in this one run; bf16 has one path.
-The verdict is for the path the codec takes by default for N values (``quantize.JIT``
-"auto"), printed above the table.
+The int codecs run twice, on each backend of :mod:`ddiloco.core.quantize` (``CodecSpec``'s
+and ``decode``'s ``backend=``): ``jit`` (the numba kernels of :mod:`ddiloco.kernels`) and
+``eager`` (the torch loops), side by side in this one run; bf16 has one path. The verdict
+is for the path the codec takes by default ("auto"), printed above the table.
 
 Three ways to count the codec, all printed:
   * ratio      ``encode_into`` a reused buffer + ``decode(out=...)`` into a reused tensor:
@@ -32,7 +32,7 @@ from collections.abc import Callable
 
 import torch
 
-import ddiloco.core.quantize as quantize
+import ddiloco.kernels as kernels
 from ddiloco.core.codec import CodecSpec, decode, encode, encode_into, encoded_size
 
 TARGET = 0.25
@@ -63,44 +63,43 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     n = args.values
     start = time.perf_counter()
-    jit_ok = quantize.jit_kernels() is not None
+    jit_ok = kernels.load("auto") is not None
     load = time.perf_counter() - start
     if "jit" in paths and not jit_ok:
-        print("numba kernels unavailable (see quantize.jit_kernels): eager only")
+        print(f"numba kernels unavailable ({kernels.unavailable_reason()}): eager only")
         paths = [p for p in paths if p != "jit"]
         if not paths:
             return
-    default = "jit" if jit_ok and n >= quantize.JIT_MIN_VALUES else "eager"
+    default = "jit" if jit_ok else "eager"
     x = torch.randn(n, generator=torch.Generator().manual_seed(0)) * 1e-3
     src = x.to(torch.bfloat16)
     dst = torch.empty_like(src)
     out = torch.empty(n)
-    specs = {c: CodecSpec(c, args.block_size) for c in CODECS}
+    specs = {c: CodecSpec(c, args.block_size) for c in CODECS}  # backend set per run below
     runs = [("bf16", ""), *((c, p) for c in CODECS if c != "bf16" for p in paths)]
     sendbuf = bytearray(max(encoded_size((n,), s) for s in specs.values()))
     base: list[float] = []
     times: dict[tuple[str, str], dict[str, list[float]]] = {}
     first: dict[tuple[str, str], float] = {}
     for c, path in runs:  # one codec at a time, each run next to a baseline run
-        spec = specs[c]
-        quantize.JIT = "jit" if path == "jit" else "eager" if path == "eager" else "auto"
+        backend = "jit" if path == "jit" else "eager" if path == "eager" else "auto"
+        spec = CodecSpec(c, args.block_size, backend=backend)
         t: dict[str, list[float]] = {"into": [], "bytes": [], "dec": [], "dec_alloc": []}
         times[c, path] = t
         start = time.perf_counter()  # warm up: the first call loads (or compiles) the kernels
         size = encode_into(x, spec, sendbuf)
         payload = memoryview(sendbuf)[:size]
-        decode(payload, out=out)
+        decode(payload, out=out, backend=backend)
         first[c, path] = time.perf_counter() - start
         for _ in range(args.repeats):
             base.append(_time(lambda: dst.copy_(src)))
             t["into"].append(_time(lambda s=spec: encode_into(x, s, sendbuf)))
-            t["dec"].append(_time(lambda p=payload: decode(p, out=out)))
+            t["dec"].append(_time(lambda p=payload, k=backend: decode(p, out=out, backend=k)))
         for _ in range(args.repeats):
             base.append(_time(lambda: dst.copy_(src)))
             t["bytes"].append(_time(lambda s=spec: encode(x, s)))
-            t["dec_alloc"].append(_time(lambda p=payload: decode(p)))
+            t["dec_alloc"].append(_time(lambda p=payload, k=backend: decode(p, backend=k)))
         payload.release()
-    quantize.JIT = "auto"
     med = statistics.median
     b = med(base)
     print(

@@ -8,8 +8,8 @@ import msgpack
 import pytest
 
 from ddiloco.core.ledger import OVERWRITTEN, TokenLedger
+from ddiloco.core.restart_ledger import RestartLedger
 from ddiloco.errors import ConfigError
-from ddiloco.runtime.processes.setup import TolerantLedger
 
 
 def busy_ledger() -> TokenLedger:
@@ -66,7 +66,7 @@ def test_a_state_for_another_plan_damaged_or_unbalanced_is_refused():
 
 
 def test_merges_held_back_are_not_in_a_snapshot_until_released():
-    ledger = TolerantLedger(2)
+    ledger = RestartLedger(2)
     ledger.joined(0, 5, 0, [0, 0])
     ledger.reported(0, 1, 64, [], [0, 0])
     ledger.answered(0, 0, (0, 5, 0), 64, 0)
@@ -85,7 +85,7 @@ def test_merges_held_back_are_not_in_a_snapshot_until_released():
 
 def test_a_restarted_ledger_reconciles_what_learners_told_the_lost_life():
     per_step, P = 10, 2
-    old = TolerantLedger(P)
+    old = RestartLedger(P)
     old.joined(0, 5, 0, [0, 0])
     for step in range(1, 5):
         old.reported(0, step, per_step, [], [0, 0])
@@ -100,7 +100,7 @@ def test_a_restarted_ledger_reconciles_what_learners_told_the_lost_life():
     old.answered(0, 1, (0, 5, 2), 60, 0)
     old.superseded((0, 5, 1), (0, 5, 2))
 
-    new = TolerantLedger(P)
+    new = RestartLedger(P)
     new.load_state(snapshot)
     assert new.absent() == [0]
     new.joined(0, 5, 7, [1, 0])  # the hello: it is on version 1 of fragment 0
@@ -125,11 +125,11 @@ def test_a_restarted_ledger_reconciles_what_learners_told_the_lost_life():
 
 
 def test_answers_re_reported_early_are_not_counted_again_by_the_step_gap():
-    old = TolerantLedger(1)
+    old = RestartLedger(1)
     old.joined(0, 5, 0, [0])
     old.reported(0, 1, 10, [], [0])
     old.reported(0, 2, 10, [], [0])
-    new = TolerantLedger(1)
+    new = RestartLedger(1)
     new.load_state(old.to_state())
     new.joined(0, 5, 4, [0])
     new.answered(0, 0, (0, 5, 0), 40, 0)  # before any report: steps 3-4 re-reported here
@@ -139,12 +139,12 @@ def test_answers_re_reported_early_are_not_counted_again_by_the_step_gap():
 
 
 def test_a_new_life_after_a_restart_loses_the_old_one_and_unknown_calls_stay_errors():
-    old = TolerantLedger(1)
+    old = RestartLedger(1)
     old.joined(0, 5, 0, [0])
     old.reported(0, 1, 10, [], [0])
     old.joined(1, 6, 0, [0])
     old.reported(1, 1, 10, [], [0])
-    new = TolerantLedger(1)
+    new = RestartLedger(1)
     new.load_state(old.to_state())
     new.joined(0, 8, 0, [0])  # learner 0 died meanwhile: a new life
     assert new.wasted["crash"] == [10]

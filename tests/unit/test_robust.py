@@ -14,6 +14,7 @@ from ddiloco.core.ledger import OUTLIER, TokenLedger
 from ddiloco.core.merge import tensor_norms, token_weight
 from ddiloco.core.outer import OuterConfig, make_outer_optimizer
 from ddiloco.core.plans import TensorSpec, build_plan
+from ddiloco.core.restart_ledger import RestartLedger
 from ddiloco.core.robust import (
     NormWindow,
     RobustConfig,
@@ -28,7 +29,6 @@ from ddiloco.core.robust import (
 from ddiloco.core.rounds import AnswerMeta, RoundConfig, Verdict
 from ddiloco.core.syncer_state import MergeResult, SyncerConfig, SyncerState, merge_step
 from ddiloco.errors import ConfigError
-from ddiloco.runtime.processes.setup import TolerantLedger
 
 SPECS = [
     TensorSpec("blocks.0.w", (8, 4), 4),
@@ -139,7 +139,7 @@ def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
 def test_a_claim_of_10e12_tokens_weighs_no_more_than_its_credited_tokens():
     """The processes runtime's ledger refuses the claim (it counts an error); the syncer then
     weighs the answer by what the ledger credited the learner since its base."""
-    ledger = TolerantLedger(1)
+    ledger = RestartLedger(1)
     bench = Bench(ledger=ledger)
     rnd = bench.train()
     for m in range(3):
@@ -173,7 +173,7 @@ def test_an_answer_claiming_less_than_its_credit_keeps_its_claim():
 
 
 def test_without_a_ledger_or_with_robust_off_the_claim_stands():
-    for bench in (Bench(), Bench(ledger=TolerantLedger(1), robust=RobustConfig(enabled=False))):
+    for bench in (Bench(), Bench(ledger=RestartLedger(1), robust=RobustConfig(enabled=False))):
         rnd = bench.train()
         bench.answer(0, rnd, bench.delta(0))
         bench.answer(1, rnd, bench.delta(1), c_tokens=10**12)
@@ -374,7 +374,7 @@ def test_robust_off_is_the_unchecked_merge_and_on_equals_it_for_honest_answers()
         fragments[robust] = _fragment(bench)
         assert not {"clipped", "outlier", "capped"} & set(bench.syncer.counts)
     assert _same(fragments[True], fragments[False])
-    bench = Bench(ledger=TolerantLedger(1), robust=RobustConfig(enabled=False))
+    bench = Bench(ledger=RestartLedger(1), robust=RobustConfig(enabled=False))
     start = _fragment(bench)
     rnd = bench.train()
     deltas = [bench.delta(0), [t * 1e6 for t in bench.delta(1)]]
@@ -391,7 +391,7 @@ def test_robust_off_is_the_unchecked_merge_and_on_equals_it_for_honest_answers()
 
 def test_a_replay_with_the_recorded_scales_and_counters_gets_the_same_bits():
     """What an audit of the merge record needs: the round's (credited) counters and scales."""
-    bench = Bench(ledger=TolerantLedger(1), robust=RobustConfig(norm_absurd=1e6))
+    bench = Bench(ledger=RestartLedger(1), robust=RobustConfig(norm_absurd=1e6))
     start = _fragment(bench)
     rnd = bench.train()
     deltas = [bench.delta(0), bench.delta(1), bench.delta(2, scale=1.0)]

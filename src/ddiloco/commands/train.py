@@ -272,7 +272,7 @@ def render(summaries: list[dict[str, Any]]) -> str:
             "wasted",
             "goodput",
             "uptime",
-            "virtual s",
+            "wall s" if all(s.get("clock") == "wall" for s in summaries) else "virtual s",
             "bytes/token",
         ],
         rows,

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from ddiloco.errors import ConfigError, require
 
@@ -38,6 +38,18 @@ class _Answer:
     tokens: int  # fragment-tokens this answer carries beyond earlier answers on the same base
     credit_tokens: int = 0  # tokens since base the ledger had counted when it was recorded
     credit_steps: int = 0  # ... and steps (0: unknown): they bound the answer's merge weight
+
+
+class SyncerLedger(Protocol):
+    """What :class:`~ddiloco.core.syncer_state.SyncerState` calls on its ledger: the syncer
+    side only. :class:`TokenLedger` and :class:`~ddiloco.core.restart_ledger.RestartLedger`
+    both provide it."""
+
+    def credit(self, key: object) -> tuple[int, int] | None: ...
+    def since_base(self, learner: int, fragment: int) -> tuple[int, int]: ...
+    def merged_answer(self, key: object, weight: float) -> None: ...
+    def wasted_answer(self, key: object, reason: str) -> None: ...
+    def superseded(self, old: object, new: object) -> None: ...
 
 
 class TokenLedger:

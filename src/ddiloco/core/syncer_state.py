@@ -13,6 +13,7 @@ import dataclasses
 import math
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -112,6 +113,17 @@ class MergeResult:
     # A replay of the merge applies ``robust.scaled`` with it; the round's answers already
     # carry the credited counters the weights came from.
     scales: tuple[float, ...] = ()
+
+    def record(self, broadcast_bytes: int) -> dict[str, Any]:
+        """The ``round`` record every runtime writes to metrics.jsonl (without its time)."""
+        rnd = self.round
+        return {
+            "kind": "round", "fragment": self.fragment, "version": self.version,
+            "opened_at": rnd.opened_at, "quorum_at": rnd.quorum_at, "grace": rnd.grace,
+            "answers": len(rnd.answers), "asked": rnd.asked,
+            "weights": {str(k): v for k, v in sorted(self.weights.items())},
+            "update_norm": self.update_norm, "broadcast_bytes": broadcast_bytes,
+        }  # fmt: skip
 
 
 class SyncerState:

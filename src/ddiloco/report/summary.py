@@ -33,6 +33,29 @@ REQUIRED = ("method", "runtime", "clock", "eval_loss", "tokens", "tokens_merged"
             "bytes_per_token")  # fmt: skip
 
 
+class Uptime:
+    """Time during which at least ``quorum`` learners are live. Call :meth:`account` before
+    every membership change, with the number live until then."""
+
+    def __init__(self, quorum: int, start: float | None = 0.0) -> None:
+        self.quorum = quorum
+        self.mark = start  # None: counting starts at the first call (the first hello)
+        self.first = start
+        self.seconds = 0.0
+
+    def account(self, now: float, live: int) -> None:
+        if live >= self.quorum and self.mark is not None:
+            self.seconds += now - self.mark
+        self.mark = now
+        if self.first is None:
+            self.first = now
+
+    def share(self, now: float) -> float:
+        """The uptime: the share of the time since counting started."""
+        elapsed = now - (self.first or 0.0)
+        return self.seconds / elapsed if elapsed > 0 else 1.0
+
+
 def fragment_goodput(tokens: float, wasted: Mapping[str, float], lost_capacity: float) -> float:
     """(trained - lost to failures) / (trained + what the down or waiting learners could
     have trained), in tokens."""

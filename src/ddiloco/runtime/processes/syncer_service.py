@@ -33,6 +33,7 @@ import math
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +44,7 @@ from ddiloco.config import RunConfig
 from ddiloco.core.codec import encode_tensors
 from ddiloco.core.credit import StepBudget
 from ddiloco.core.ledger import CRASH, LEFT
+from ddiloco.core.restart_ledger import RestartLedger
 from ddiloco.core.rounds import UNSOLICITED, AnswerMeta, Verdict
 from ddiloco.core.syncer_state import MergeResult, SyncerState
 from ddiloco.errors import ConfigError, DDiLoCoError
@@ -56,7 +58,7 @@ from ddiloco.runtime.processes.auth import (
 from ddiloco.runtime.processes.common import Events, Socket, configure, new_session
 from ddiloco.runtime.processes.evaluator import Evaluator
 from ddiloco.runtime.processes.ratelog import RateLimitedLog
-from ddiloco.runtime.processes.setup import TolerantLedger
+from ddiloco.report.summary import Uptime
 from ddiloco.runtime.run import RunSetup
 from ddiloco.runtime.processes.shm import writer_for
 from ddiloco.runtime.processes.store import (
@@ -69,6 +71,8 @@ from ddiloco.runtime.processes.store import (
 from ddiloco.runtime.processes.wire import Limits, Wire, WireError, decode_update, payload_size
 
 log = logging.getLogger(__name__)
+
+Handler = Callable[[int, dict[str, Any], memoryview], None]  # (learner, metadata, payload)
 
 BEAT_SECONDS = 0.5
 REHELLO_SECONDS = 0.25  # at most one rehello per learner this often
@@ -96,7 +100,7 @@ class SyncerService:
         self.detect_seconds = detect_seconds
         sync = setup.method.sync
         self.plan = setup.plan
-        self.ledger = TolerantLedger(self.plan.num_fragments)
+        self.ledger = RestartLedger(self.plan.num_fragments)
         self.syncer = SyncerState(
             self.plan,
             setup.initial,
@@ -154,9 +158,7 @@ class SyncerService:
         self.last_heard: dict[int, float] = {}
         self.down_since: dict[int, float] = {}
         self.down_seconds = 0.0
-        self.up_seconds = 0.0
-        self.up_mark: float | None = None  # uptime counts from the first learner's hello
-        self.first_join: float | None = None
+        self.uptime = Uptime(setup.method.sync.quorum, start=None)  # from the first hello
         self.bytes_sent = 0
         self.bytes_received = 0
         self.inline: set[int] = set()  # learners that cannot read our /dev/shm slots
@@ -164,6 +166,11 @@ class SyncerService:
         self.next_eval = self.tokens
         self.last_beat = 0.0
         self.stop = stop or threading.Event()  # set (SIGTERM): end the run now, with a summary
+        # the message kinds a learner may send, and who handles each (docs/extending.md)
+        self.handlers: dict[str, Handler] = {
+            "hello": self.on_hello, "inline": self.on_inline, "peers": self.on_peers,
+            "progress": self.on_progress, "answer": self.on_answer, "bye": self.on_bye,
+        }  # fmt: skip
 
     # -- the loop ---------------------------------------------------------------------------
     def serve(self) -> dict[str, Any]:
@@ -258,11 +265,6 @@ class SyncerService:
             self.refuse("handler_error", m, f"{kind}: {type(exc).__name__}: {exc}")
             log.debug("syncer: handler error", exc_info=True)
 
-    @property
-    def handlers(self) -> dict[str, Any]:
-        return {"hello": self.on_hello, "inline": self.on_inline, "peers": self.on_peers,
-                "progress": self.on_progress, "answer": self.on_answer,
-                "bye": self.on_bye}  # fmt: skip
 
     # -- messages ---------------------------------------------------------------------------
     def on_hello(self, m: int, meta: dict[str, Any], _: memoryview) -> None:
@@ -401,12 +403,7 @@ class SyncerService:
             nbytes = self.send_fragment(live, result.fragment, result.version, result.tensors,
                                         keys)  # fmt: skip
             self.syncer.record_sync_time(time.monotonic() - started)
-            rnd = result.round
-            self.events("round", fragment=result.fragment, version=result.version,
-                        opened_at=rnd.opened_at, quorum_at=rnd.quorum_at, grace=rnd.grace,
-                        answers=len(rnd.answers), asked=rnd.asked,
-                        weights={str(k): v for k, v in sorted(result.weights.items())},
-                        update_norm=result.update_norm, broadcast_bytes=nbytes)  # fmt: skip
+            self.events(**result.record(nbytes))
         self.ledger.release_merges()  # (none is left: every merge was persisted)
         if self.payloads:
             for key in [k for k in self.payloads if k not in self.syncer.updates]:
@@ -462,12 +459,7 @@ class SyncerService:
 
     def account_uptime(self, now: float) -> None:
         """Called before every membership change: time with >= K live learners is up."""
-        live = len(self.syncer.policy.progress) >= self.setup.method.sync.quorum
-        if live and self.up_mark is not None:
-            self.up_seconds += now - self.up_mark
-        self.up_mark = now
-        if self.first_join is None:
-            self.first_join = now
+        self.uptime.account(now, len(self.syncer.policy.progress))
 
     def evaluate(self) -> None:
         """Start an evaluation of the global model on the evaluator's thread (skipped and
@@ -503,7 +495,7 @@ class SyncerService:
             "ledger_errors": self.ledger.errors,
             "ledger_restart": dict(self.ledger.restart),
             "goodput": (self.tokens - lost) / max(self.tokens + lost_capacity, 1.0),
-            "uptime": self.up_seconds / max(now - (self.first_join or 0.0), 1e-9),
+            "uptime": self.uptime.share(now),
             "bytes_sent": self.bytes_sent,
             "bytes_received": self.bytes_received,
             "rounds": self.syncer.counts.get("merged_rounds", 0),

@@ -34,7 +34,7 @@ def summarize(sim: FragmentSim, final_loss: float) -> dict[str, Any]:
         tokens_wasted=wasted,
         ledger_balanced=bool(ledger["balanced"]),
         goodput=fragment_goodput(sim.tokens, wasted, lost_capacity),
-        uptime=sim.up_seconds / now if now > 0 else 1.0,
+        uptime=sim.uptime.share(now),
         idle_seconds=sim.idle_seconds,
         seconds=now,
         bytes_sent=sim.bytes_up,

@@ -26,6 +26,7 @@ from ddiloco.core.ledger import TokenLedger
 from ddiloco.core.rounds import AnswerMeta, Verdict
 from ddiloco.core.syncer_state import MergeResult, SyncerState
 from ddiloco.data.corpus import BatchStream
+from ddiloco.report.summary import Uptime
 from ddiloco.runtime.run import RunSetup
 from ddiloco.runtime.sim.accounting import summarize
 from ddiloco.runtime.sim.clock import EventQueue
@@ -83,8 +84,7 @@ class FragmentSim:
         self.bytes_down = 0
         self.bytes_peer = 0
         self.wakes: set[float] = set()
-        self.alive_since = 0.0
-        self.up_seconds = 0.0  # virtual time with >= K learners up
+        self.uptime = Uptime(self.sync.quorum)  # virtual time with >= K learners up
         self.idle_seconds = 0.0  # lock-step waiting, summed over learners
 
     def boundary_of(self, sync: LearnerSync) -> StepBoundary:
@@ -251,13 +251,7 @@ class FragmentSim:
             self.clock.at(arrival, self.broadcast_arrive, m, self.nodes[m].incarnation,
                           result.fragment, result.version, copy)  # fmt: skip
         self.syncer.record_sync_time(last - now)
-        self.emit({
-            "kind": "round", "t": now, "fragment": result.fragment, "version": result.version,
-            "opened_at": rnd.opened_at, "quorum_at": rnd.quorum_at, "grace": rnd.grace,
-            "answers": len(rnd.answers), "asked": rnd.asked,
-            "weights": {str(k): v for k, v in sorted(result.weights.items())},
-            "update_norm": result.update_norm, "broadcast_bytes": len(payload),
-        })  # fmt: skip
+        self.emit({**result.record(len(payload)), "t": now})
 
     def send_latest(self, node: Node, p: int) -> None:
         """The syncer sends fragment p's current version to one learner (a newcomer)."""
@@ -276,7 +270,4 @@ class FragmentSim:
         return loss
 
     def account_uptime(self) -> None:
-        now = self.clock.now
-        if sum(n.up for n in self.nodes) >= self.sync.quorum:
-            self.up_seconds += now - self.alive_since
-        self.alive_since = now
+        self.uptime.account(self.clock.now, sum(n.up for n in self.nodes))
