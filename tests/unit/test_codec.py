@@ -684,6 +684,7 @@ def test_without_the_kernels_the_eager_path_runs_silently(how, monkeypatch, fres
     if how == "env":
         monkeypatch.setenv("DDILOCO_NO_JIT", "1")
     else:
+        monkeypatch.delenv("DDILOCO_NO_JIT", raising=False)
         monkeypatch.setitem(sys.modules, "numba", None)  # import numba raises ImportError
         monkeypatch.delitem(sys.modules, "ddiloco.kernels.quantize_jit", raising=False)
     assert kernels.load("auto") is None

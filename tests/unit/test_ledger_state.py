@@ -1,4 +1,5 @@
-"""The token ledger as plain data, and a restarted syncer's ledger reconciled with learners."""
+"""The token ledger as plain data, and a restarted syncer's ledger (core.restart_ledger)
+reconciled with learners."""
 
 from __future__ import annotations
 
@@ -154,3 +155,51 @@ def test_a_new_life_after_a_restart_loses_the_old_one_and_unknown_calls_stay_err
         new.crashed(m)
     new.close()
     assert new.wasted["crash"] == [20] and new.balanced()
+
+
+# What setup.TolerantLedger (the RestartLedger before it moved to the core) wrote for the
+# calls of _scenario: stores written before the move must load, and the format not drift.
+OLD_STATE = {
+    "answers": [[[1, 3, 0], 1, 1, 24, 24, 3]], "merged": [30, 0], "merged_weight": 1.0,
+    "num_fragments": 2, "reserved": [[1, 1, 24]],
+    "since_base": [[0, 0, 10], [0, 1, 40], [1, 0, 24], [1, 1, 24]],
+    "steps_since_base": [[0, 0, 1], [0, 1, 4], [1, 0, 3], [1, 1, 3]],
+    "tolerant": {
+        "errors": 1, "floor": [[0, 0, 1], [0, 1, 0], [1, 0, 0], [1, 1, 0]],
+        "last_step": [[0, 4, 10], [1, 3, 8]], "lives": [[0, 5], [1, 3]],
+        "restart": {"lost_rebases": 0, "repushed_open": 0, "rereported": 0, "stale_repushes": 0},
+    },
+    "trained_by_learner": [[0, 40], [1, 24]], "trained_tokens": 64, "wasted": {},
+}  # fmt: skip
+
+
+def _scenario() -> RestartLedger:
+    ledger = RestartLedger(2)
+    ledger.joined(0, 5, 0, [0, 0])
+    ledger.joined(1, 3, 0, [0, 0])
+    for step in range(1, 4):
+        ledger.reported(0, step, 10, [], [0, 0])
+        ledger.reported(1, step, 8, [], [0, 0])
+    ledger.answered(0, 0, (0, 5, 0), 30, 0)
+    ledger.answered(1, 1, (1, 3, 0), 24, 0)
+    ledger.merged_answer((0, 5, 0), 1.0)
+    ledger.reported(0, 4, 10, [0], [1, 0])
+    ledger.answered(0, 0, (0, 5, 1), 99, 1)  # more than trained: an error, not an exception
+    return ledger
+
+
+def test_the_durable_state_is_the_one_stores_already_hold():
+    assert json.loads(json.dumps(_scenario().to_state())) == OLD_STATE
+    new = RestartLedger(2)
+    new.load_state(OLD_STATE)
+    assert new.to_state() == OLD_STATE
+    assert new.absent() == [0, 1] and new.errors == 1 and new.is_open((1, 3, 0))
+    with pytest.raises(ConfigError, match=r"ledger\.tolerant"):
+        RestartLedger(2).load_state({**OLD_STATE, "tolerant": {"lives": [["x", 1]]}})
+
+
+def test_the_restart_ledger_wraps_a_token_ledger_whose_contract_it_does_not_claim():
+    ledger = _scenario()
+    assert not isinstance(ledger, TokenLedger) and isinstance(ledger.book, TokenLedger)
+    assert ledger.answered(1, 0, (1, 3, 1), 24) == 0  # the book's own answered returns 24
+    assert ledger.book.is_open((1, 3, 1)) and ledger.book.summary() == ledger.summary()

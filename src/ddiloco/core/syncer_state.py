@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ddiloco.core.ledger import OUTLIER, TokenLedger
+from ddiloco.core.ledger import OUTLIER, SyncerLedger
 from ddiloco.core.merge import MERGE_RULES, merge, tensor_norms, token_weight
 from ddiloco.core.outer import OuterConfig, OuterOptimizer, make_outer_optimizer
 from ddiloco.core.plans import FragmentPlan, gather
@@ -136,7 +136,7 @@ class SyncerState:
         config: SyncerConfig,
         *,
         plain_tensors: Collection[str] = (),
-        ledger: TokenLedger | None = None,
+        ledger: SyncerLedger | None = None,
     ) -> None:
         self.plan = plan
         self.config = config

@@ -48,6 +48,7 @@ from ddiloco.core.restart_ledger import RestartLedger
 from ddiloco.core.rounds import UNSOLICITED, AnswerMeta, Verdict
 from ddiloco.core.syncer_state import MergeResult, SyncerState
 from ddiloco.errors import ConfigError, DDiLoCoError
+from ddiloco.report.summary import Uptime
 from ddiloco.runtime.processes import messages
 from ddiloco.runtime.processes.auth import (
     Gatekeeper,
@@ -58,8 +59,6 @@ from ddiloco.runtime.processes.auth import (
 from ddiloco.runtime.processes.common import Events, Socket, configure, new_session
 from ddiloco.runtime.processes.evaluator import Evaluator
 from ddiloco.runtime.processes.ratelog import RateLimitedLog
-from ddiloco.report.summary import Uptime
-from ddiloco.runtime.run import RunSetup
 from ddiloco.runtime.processes.shm import writer_for
 from ddiloco.runtime.processes.store import (
     SyncerStore,
@@ -69,6 +68,7 @@ from ddiloco.runtime.processes.store import (
     restore,
 )
 from ddiloco.runtime.processes.wire import Limits, Wire, WireError, decode_update, payload_size
+from ddiloco.runtime.run import RunSetup
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,199 @@
+"""The package's layers, read from the source with ``ast`` (nothing is imported).
+
+* ``ddiloco.core`` is the pure algorithm core every runtime drives: it imports none of the
+  layers above it. One exception: :func:`ddiloco.core.codec._kernels` imports
+  ``ddiloco.kernels`` lazily, inside the function, to resolve a codec's backend choice
+  (that import reads ``DDILOCO_NO_JIT`` and loads numba, so it must never run at import).
+* The core reads no environment variable and opens no file.
+* Runtimes (``ddiloco.runtime.sim``, ``.processes``, a future ``.ray``) never import each
+  other: what they share lives in the core or in ``ddiloco.runtime`` itself.
+* ``ddiloco.cluster`` (the cluster simulator) never imports torch.
+
+Every import counts: at module level, under ``if TYPE_CHECKING:``, inside functions,
+relative ones, and ``importlib.import_module``/``__import__`` of a string literal.
+"""
+
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[2] / "src"
+PACKAGE = SRC / "ddiloco"
+
+CORE_MUST_NOT_IMPORT = (
+    "ddiloco.runtime", "ddiloco.config", "ddiloco.commands", "ddiloco.methods",
+    "ddiloco.strategies", "ddiloco.report", "ddiloco.cluster", "ddiloco.kernels",
+)  # fmt: skip
+LAZY_IN_CORE = ("ddiloco.kernels",)  # allowed inside a function body (see the docstring)
+RUNTIMES = ("sim", "processes", "ray")  # sibling runtimes: none imports another
+
+
+@dataclass(frozen=True)
+class Import:
+    module: str  # the importing module
+    path: Path
+    line: int
+    target: str  # the module imported (for ``from a import b``: also ``a.b``, see _targets)
+    source: str  # the statement as written
+    lazy: bool  # inside a function body
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(SRC).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _base(module: str, is_package: bool, level: int, name: str | None) -> str:
+    """The absolute module a (possibly relative) ``from`` import names."""
+    if level == 0:
+        return name or ""
+    package = module.split(".") if is_package else module.split(".")[:-1]
+    package = package[: len(package) - (level - 1)]
+    return ".".join([*package, name] if name else package)
+
+
+def imports_of(source: str, module: str, path: Path, is_package: bool = False) -> list[Import]:
+    """Every import in ``source``, each target on its own row."""
+    out: list[Import] = []
+
+    def visit(node: ast.AST, lazy: bool) -> None:
+        for child in ast.iter_child_nodes(node):
+            inner = lazy or isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda)
+            targets: list[str] = []
+            if isinstance(child, ast.Import):
+                targets = [a.name for a in child.names]
+            elif isinstance(child, ast.ImportFrom):
+                base = _base(module, is_package, child.level, child.module)
+                # ``from a import b`` may import the module a.b: both count
+                targets = [base, *(f"{base}.{a.name}" for a in child.names if a.name != "*")]
+            elif isinstance(child, ast.Call) and _dynamic_import(child) is not None:
+                targets = [str(_dynamic_import(child))]
+            if targets:
+                text = (ast.get_source_segment(source, child) or "").strip()
+                line = getattr(child, "lineno", 0)
+                out.extend(Import(module, path, line, t, text, lazy) for t in targets)
+            visit(child, inner)
+
+    visit(ast.parse(source, str(path)), False)
+    return out
+
+
+def _dynamic_import(call: ast.Call) -> str | None:
+    func = call.func
+    name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+    if name in ("import_module", "__import__") and call.args:
+        arg = call.args[0]
+        if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+            return arg.value
+    return None
+
+
+def _modules() -> list[tuple[str, Path, str]]:
+    return [(module_name(p), p, p.read_text()) for p in sorted(PACKAGE.rglob("*.py"))]
+
+
+MODULES = _modules()
+IMPORTS = [
+    imp
+    for name, path, text in MODULES
+    for imp in imports_of(text, name, path, path.name == "__init__.py")
+]
+
+
+def _under(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def _report(bad: list[Import], rule: str) -> str:
+    rows = [f"  {i.module} ({i.path.relative_to(SRC.parent)}:{i.line}): {i.source}" for i in bad]
+    return f"{rule}:\n" + "\n".join(dict.fromkeys(rows))
+
+
+def test_the_core_imports_no_layer_above_it():
+    bad = [
+        i for i in IMPORTS
+        if _under(i.module, "ddiloco.core")
+        and any(_under(i.target, p) for p in CORE_MUST_NOT_IMPORT)
+        and not (i.lazy and any(_under(i.target, p) for p in LAZY_IN_CORE))
+    ]  # fmt: skip
+    assert not bad, _report(bad, "ddiloco.core imports from a layer above it")
+
+
+@pytest.mark.parametrize("runtime", RUNTIMES)
+def test_runtimes_never_import_each_other(runtime):
+    here = f"ddiloco.runtime.{runtime}"
+    others = [f"ddiloco.runtime.{r}" for r in RUNTIMES if r != runtime]
+    bad = [
+        i for i in IMPORTS
+        if _under(i.module, here) and any(_under(i.target, o) for o in others)
+    ]  # fmt: skip
+    assert not bad, _report(bad, f"{here} imports another runtime")
+
+
+def test_the_cluster_simulator_never_imports_torch():
+    bad = [i for i in IMPORTS if _under(i.module, "ddiloco.cluster") and _under(i.target, "torch")]
+    assert not bad, _report(bad, "ddiloco.cluster imports torch")
+
+
+def io_uses(source: str, module: str, path: Path) -> list[Import]:
+    """Reads of the environment and file openings: ``os.environ``, ``os.getenv``, ``environ``
+    or ``getenv`` imported from os, ``open(...)`` (also ``io.open``, ``os.open``), ``Path(...)``."""
+    out = []
+    for node in ast.walk(ast.parse(source, str(path))):
+        what = None
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+            if node.value.id == "os" and node.attr in ("environ", "getenv", "putenv", "open"):
+                what = f"os.{node.attr}"
+            elif node.value.id in ("io", "builtins", "pathlib") and node.attr in ("open", "Path"):
+                what = f"{node.value.id}.{node.attr}"
+        elif isinstance(node, ast.ImportFrom) and node.module == "os":
+            hits = [a.name for a in node.names if a.name in ("environ", "getenv", "open")]
+            what = f"from os import {', '.join(hits)}" if hits else None
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in ("open", "Path", "PurePath")
+        ):
+            what = f"{node.func.id}(...)"
+        if what is not None:
+            line = getattr(node, "lineno", 0)
+            out.append(Import(module, path, line, what, what, False))
+    return out
+
+
+def test_the_core_reads_no_environment_and_opens_no_file():
+    bad = [
+        use for name, path, text in MODULES if _under(name, "ddiloco.core")
+        for use in io_uses(text, name, path)
+    ]  # fmt: skip
+    assert not bad, _report(bad, "ddiloco.core reads the environment or opens a file")
+
+
+def test_the_checks_see_every_kind_of_import_and_io():
+    """The checks above pass because the rules hold, not because they see nothing."""
+    source = (
+        "from typing import TYPE_CHECKING\n"
+        "import ddiloco.config\n"
+        "from .. import runtime\n"
+        "from ..runtime.processes import wire\n"
+        "if TYPE_CHECKING:\n"
+        "    from ddiloco.report import summary\n"
+        "def f():\n"
+        "    import torch.nn\n"
+        "    importlib.import_module('ddiloco.kernels.quantize_jit')\n"
+        "    return os.environ.get('X'), open('f'), Path('p')\n"
+    )
+    path = PACKAGE / "core" / "example.py"
+    found = {(i.target, i.lazy) for i in imports_of(source, "ddiloco.core.example", path)}
+    assert {
+        ("ddiloco.config", False), ("ddiloco.runtime", False),
+        ("ddiloco.runtime.processes.wire", False), ("ddiloco.report.summary", False),
+        ("torch.nn", True), ("ddiloco.kernels.quantize_jit", True),
+    } <= found  # fmt: skip
+    uses = {u.target for u in io_uses(source, "ddiloco.core.example", path)}
+    assert uses == {"os.environ", "open(...)", "Path(...)"}
+    assert len(MODULES) > 50 and any(_under(i.module, "ddiloco.core") for i in IMPORTS)
