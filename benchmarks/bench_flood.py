@@ -83,18 +83,41 @@ def main() -> None:
     parser.add_argument("--raw", type=int, default=2, help="raw TCP flooders")
     args = parser.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="ddiloco-flood-"))
-    config = load_config(None, ["model='gpt-tiny'", "train.learners=1", "sync.fragments=2",
-                                "sync.sync_every=2", "train.tokens=1000000000",
-                                "processes.detect_seconds=60"])  # fmt: skip
+    config = load_config(
+        None,
+        [
+            "model='gpt-tiny'",
+            "train.learners=1",
+            "sync.fragments=2",
+            "sync.sync_every=2",
+            "train.tokens=1000000000",
+            "processes.detect_seconds=60",
+        ],
+    )
     (tmp / "config.toml").write_text(to_toml(config))
     address = f"127.0.0.1:{free_port('127.0.0.1')}"
     env = {**os.environ, SECRET_ENV: SECRET.hex()}
     err = (tmp / "syncer.err").open("w")
     syncer = subprocess.Popen(
-        [sys.executable, "-m", "ddiloco.cli", "syncer", "--bind", address, "--config",
-         str(tmp / "config.toml"), "--run-id", RUN, "--store", str(tmp / "store")],
-        env=env, stdout=subprocess.PIPE, stderr=err, text=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "ddiloco.cli",
+            "syncer",
+            "--bind",
+            address,
+            "--config",
+            str(tmp / "config.toml"),
+            "--run-id",
+            RUN,
+            "--store",
+            str(tmp / "store"),
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=err,
+        text=True,
+    )
     lines: list[str] = []
     up = threading.Event()
 
@@ -122,10 +145,14 @@ def main() -> None:
         until = time.monotonic() + args.seconds
         totals = {"raw_connections": 0, "raw_bytes": 0, "zmq_connections": 0}
         host, port = address.rsplit(":", 1)
-        threads = [threading.Thread(target=raw_flood, args=(host, int(port), until, totals))
-                   for _ in range(args.raw)]  # fmt: skip
-        threads += [threading.Thread(target=zmq_flood, args=(address, until, totals, pw))
-                    for pw in (None, b"wrong")]  # fmt: skip
+        threads = [
+            threading.Thread(target=raw_flood, args=(host, int(port), until, totals))
+            for _ in range(args.raw)
+        ]
+        threads += [
+            threading.Thread(target=zmq_flood, args=(address, until, totals, pw))
+            for pw in (None, b"wrong")
+        ]
         for t in threads:
             t.start()
         peak = before
@@ -135,8 +162,14 @@ def main() -> None:
         for t in threads:
             t.join()
         peak = max(peak, rss(syncer.pid))
-        learner.send_multipart(wire.encode("progress", learner=0, to=to, meta={
-            "inc": 5, "step": 1, "tokens": 64, "secs": 0.1, "rebased": []}))  # fmt: skip
+        learner.send_multipart(
+            wire.encode(
+                "progress",
+                learner=0,
+                to=to,
+                meta={"inc": 5, "step": 1, "tokens": 64, "secs": 0.1, "rebased": []},
+            )
+        )
         heard = learner.poll(3000) > 0
         syncer.send_signal(signal.SIGTERM)
         syncer.wait(timeout=60)

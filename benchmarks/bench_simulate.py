@@ -28,8 +28,10 @@ def main() -> int:
     args = parser.parse_args()
     params = load_params(preset="realistic" if args.realistic else None)
     run = params.run
-    print(f"table: {len(run.chips)} sizes x {2 + len(params.decoupled.learners)} systems, "
-          f"{run.seeds} seeds x {run.days:g} days")  # fmt: skip
+    print(
+        f"table: {len(run.chips)} sizes x {2 + len(params.decoupled.learners)} systems, "
+        f"{run.seeds} seeds x {run.days:g} days"
+    )
     times = []
     for _ in range(args.repeats):
         t0 = time.perf_counter()
@@ -37,11 +39,15 @@ def main() -> int:
         times.append(time.perf_counter() - t0)
     best = min(times)
     for system, dev in worst_deviation(result).items():
-        print(f"  {system:14s} largest |ours - paper| {dev:5.2f} points (tolerance "
-              f"{tolerance(system):g})")  # fmt: skip
+        print(
+            f"  {system:14s} largest |ours - paper| {dev:5.2f} points (tolerance "
+            f"{tolerance(system):g})"
+        )
     verdict = "PASS" if best < TARGET_S else "FAIL"
-    print(f"seconds: {best:.1f} (runs: {', '.join(f'{t:.1f}' for t in times)}); "
-          f"target < {TARGET_S:g} s: {verdict}")  # fmt: skip
+    print(
+        f"seconds: {best:.1f} (runs: {', '.join(f'{t:.1f}' for t in times)}); "
+        f"target < {TARGET_S:g} s: {verdict}"
+    )
     return 0 if verdict == "PASS" else 1
 
 

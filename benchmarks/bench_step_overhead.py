@@ -46,11 +46,17 @@ def main() -> None:
     parser.add_argument("--eval-batches", type=int, default=1)
     args = parser.parse_args()
     torch.set_num_threads(1)
-    overrides = [f"model='{args.model}'", "methods=['decoupled']", "train.learners=1",
-                 f"train.batch_size={args.batch}", "train.tokens=1000000000",
-                 f"train.eval_every={args.eval_every}", f"sync.fragments={args.fragments}",
-                 f"sync.sync_every={args.fragments}",
-                 f"data.eval_batches={args.eval_batches}"]  # fmt: skip
+    overrides = [
+        f"model='{args.model}'",
+        "methods=['decoupled']",
+        "train.learners=1",
+        f"train.batch_size={args.batch}",
+        "train.tokens=1000000000",
+        f"train.eval_every={args.eval_every}",
+        f"sync.fragments={args.fragments}",
+        f"sync.sync_every={args.fragments}",
+        f"data.eval_batches={args.eval_batches}",
+    ]
     config = load_config(None, overrides)
     tmp = Path(tempfile.mkdtemp(prefix="ddiloco-bench-"))
     (tmp / "config.toml").write_text(to_toml(config))
@@ -58,10 +64,24 @@ def main() -> None:
     address = f"127.0.0.1:{free_port('127.0.0.1')}"
     env = {**os.environ, SECRET_ENV: secret.hex()}
     syncer = subprocess.Popen(
-        [sys.executable, "-m", "ddiloco.cli", "syncer", "--bind", address, "--config",
-         str(tmp / "config.toml"), "--run-id", "bench", "--store", str(tmp / "store")],
-        env=env, stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "ddiloco.cli",
+            "syncer",
+            "--bind",
+            address,
+            "--config",
+            str(tmp / "config.toml"),
+            "--run-id",
+            "bench",
+            "--store",
+            str(tmp / "store"),
+        ],
+        env=env,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     evals: list[str] = []
     threading.Thread(
         target=lambda: evals.extend(
@@ -108,11 +128,15 @@ def main() -> None:
         syncer.kill()  # (a SIGTERM would make it evaluate once more: minutes for big models)
         syncer.wait(timeout=30)
     m_off, m_on = statistics.median(off), statistics.median(on)
-    print(f"model {args.model}, batch {args.batch}, P = H = {args.fragments}, "
-          f"{len(off)} + {len(on)} steps, merged fragment versions {merged}, "
-          f"syncer evaluations finished {len(evals)}")  # fmt: skip
-    print(f"inner step inside the syncing-on steps: {statistics.median(inner) * 1e3:.1f} ms "
-          "(growth over 'off' is CPU/GIL contention, not work in the training loop)")  # fmt: skip
+    print(
+        f"model {args.model}, batch {args.batch}, P = H = {args.fragments}, "
+        f"{len(off)} + {len(on)} steps, merged fragment versions {merged}, "
+        f"syncer evaluations finished {len(evals)}"
+    )
+    print(
+        f"inner step inside the syncing-on steps: {statistics.median(inner) * 1e3:.1f} ms "
+        "(growth over 'off' is CPU/GIL contention, not work in the training loop)"
+    )
     print(
         f"step off {m_off * 1e3:.1f} ms (median), on {m_on * 1e3:.1f} ms: "
         f"ratio {m_on / m_off:.3f} (mean ratio {statistics.mean(on) / statistics.mean(off):.3f})"

@@ -222,8 +222,10 @@ def main() -> None:
     if args.handshakes:
         plain = statistics.median(handshakes(args.handshakes, False) for _ in range(3))
         auth = statistics.median(handshakes(args.handshakes, True) for _ in range(3))
-        print(f"connection + round trip: {plain * 1e3:.2f} ms without credentials, "
-              f"{auth * 1e3:.2f} ms authenticated (+{(auth - plain) * 1e3:.2f} ms)")  # fmt: skip
+        print(
+            f"connection + round trip: {plain * 1e3:.2f} ms without credentials, "
+            f"{auth * 1e3:.2f} ms authenticated (+{(auth - plain) * 1e3:.2f} ms)"
+        )
     payloads = [os.urandom(int(args.mib * (1 << 20))) for _ in range(4)]
     kinds = ["raw", "zmq", "zmq+wire", "shm+wire", "grpc"]
     try:
@@ -250,8 +252,10 @@ def main() -> None:
         for kind, values in rates.items():
             if kind != "raw" and len(values) == len(rates["raw"]):
                 ratios = [v / r for v, r in zip(values, rates["raw"], strict=True)]
-                print(f"{kind:9s} / raw = {statistics.median(ratios):.2f} "
-                      f"(rounds {min(ratios):.2f}..{max(ratios):.2f})")  # fmt: skip
+                print(
+                    f"{kind:9s} / raw = {statistics.median(ratios):.2f} "
+                    f"(rounds {min(ratios):.2f}..{max(ratios):.2f})"
+                )
 
 
 if __name__ == "__main__":

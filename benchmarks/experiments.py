@@ -44,10 +44,15 @@ def equal_tokens(tokens: int) -> list[Run]:
 def heterogeneity(tokens: int) -> list[Run]:
     """Exp. 3: 8 learners, half 18% slower, +10% jitter: K = 8, K = 1, K = 1 + grace."""
     base = [
-        f"train.tokens={tokens}", f"train.eval_every={tokens // 5}", "train.learners=8",
-        "train.batch_size=4", "hardware.speed=[1, 1, 1, 1, 1.18, 1.18, 1.18, 1.18]",
-        "hardware.jitter=0.1", "chaos=[]", "methods=['decoupled']",
-    ]  # fmt: skip
+        f"train.tokens={tokens}",
+        f"train.eval_every={tokens // 5}",
+        "train.learners=8",
+        "train.batch_size=4",
+        "hardware.speed=[1, 1, 1, 1, 1.18, 1.18, 1.18, 1.18]",
+        "hardware.jitter=0.1",
+        "chaos=[]",
+        "methods=['decoupled']",
+    ]
     return [
         ("K=8 lock-step", [*base, "methods=['decoupled_sync']"]),
         ("K=8, never waiting", [*base, "sync.quorum=8", "sync.grace=false"]),
@@ -58,15 +63,25 @@ def heterogeneity(tokens: int) -> list[Run]:
 
 def codecs(tokens: int) -> list[Run]:
     """Exp. 5: wire formats of the outer gradients."""
-    base = [f"train.tokens={tokens}", f"train.eval_every={tokens // 5}", "chaos=[]",
-            "methods=['decoupled']"]  # fmt: skip
+    base = [
+        f"train.tokens={tokens}",
+        f"train.eval_every={tokens // 5}",
+        "chaos=[]",
+        "methods=['decoupled']",
+    ]
     return [(c, [*base, f"sync.codec={c}"]) for c in ("bf16", "int8", "int4", "int2", "int1")]
 
 
 def fragmentation(tokens: int) -> list[Run]:
     """Exp. 6: balanced, layer-wise and tensor-wise plans (P = 6: gpt-1m has 7 layer groups)."""
-    base = [f"train.tokens={tokens}", f"train.eval_every={tokens // 5}", "chaos=[]",
-            "methods=['decoupled']", "sync.fragments=6", "sync.sync_every=12"]  # fmt: skip
+    base = [
+        f"train.tokens={tokens}",
+        f"train.eval_every={tokens // 5}",
+        "chaos=[]",
+        "methods=['decoupled']",
+        "sync.fragments=6",
+        "sync.sync_every=12",
+    ]
     return [
         ("balanced", [*base, "sync.partition=balanced"]),
         ("layer", [*base, "sync.partition=layer", "sync.split_rows=false"]),
@@ -76,22 +91,37 @@ def fragmentation(tokens: int) -> list[Run]:
 
 def rda(tokens: int) -> list[Run]:
     """Exp. 4: RDA against the plain weighted mean at M = 8, each over outer learning rates."""
-    base = [f"train.tokens={tokens}", f"train.eval_every={tokens // 5}", "chaos=[]",
-            "methods=['decoupled']", "train.learners=8", "train.batch_size=4"]  # fmt: skip
+    base = [
+        f"train.tokens={tokens}",
+        f"train.eval_every={tokens // 5}",
+        "chaos=[]",
+        "methods=['decoupled']",
+        "train.learners=8",
+        "train.batch_size=4",
+    ]
     runs = []
     for rule, rates in (("rda", (0.3, 0.5, 0.7)), ("mean", (0.5, 0.7, 1.0))):
         for lr in rates:
-            runs.append((f"{rule}, outer lr {lr}", [*base, f"sync.merge_rule={rule}",
-                                                    f"sync.outer_lr={lr}"]))  # fmt: skip
+            runs.append(
+                (
+                    f"{rule}, outer lr {lr}",
+                    [*base, f"sync.merge_rule={rule}", f"sync.outer_lr={lr}"],
+                )
+            )
     return runs
 
 
 def scavenging(tokens: int) -> list[Run]:
     """Exp. 7: temporary learners that join at t = 30 and leave at t = 90 (+25/50/100% compute
     for a while): virtual time to a loss every run reaches."""
-    base = [f"train.tokens={tokens}", f"train.eval_every={tokens // 20}", "chaos=[]",
-            "methods=['decoupled']", "chaos_gen.scavenge_join_at=30",
-            "chaos_gen.scavenge_stay=60"]  # fmt: skip
+    base = [
+        f"train.tokens={tokens}",
+        f"train.eval_every={tokens // 20}",
+        "chaos=[]",
+        "methods=['decoupled']",
+        "chaos_gen.scavenge_join_at=30",
+        "chaos_gen.scavenge_stay=60",
+    ]
     return [("4 learners", base)] + [
         (f"4 + {n} scavenged, t=30..90", [*base, f"train.scavenged={n}"]) for n in (1, 2, 4)
     ]
@@ -119,16 +149,32 @@ def failure_sweep(tokens: int) -> list[Run]:
     seconds = tokens / (4 * 1024) * 1.05
     runs = []
     for chips in SWEEP_CHIPS:
-        gen = [] if chips == 0 else [
-            "chaos_gen.mtbi_hours=8766", f"chaos_gen.chips_per_learner={chips // 4}",
-            f"chaos_gen.recovery_seconds={SWEEP_RECOVERY}",
-            f"chaos_gen.time_scale={SWEEP_TIME_SCALE}", f"chaos_gen.horizon_seconds={seconds:.0f}",
-        ]  # fmt: skip
+        gen = (
+            []
+            if chips == 0
+            else [
+                "chaos_gen.mtbi_hours=8766",
+                f"chaos_gen.chips_per_learner={chips // 4}",
+                f"chaos_gen.recovery_seconds={SWEEP_RECOVERY}",
+                f"chaos_gen.time_scale={SWEEP_TIME_SCALE}",
+                f"chaos_gen.horizon_seconds={seconds:.0f}",
+            ]
+        )
         label = "no failures" if chips == 0 else f"{chips // 1000}K chips"
-        runs.append((label, [f"train.tokens={tokens}", f"train.eval_every={tokens // 5}",
-                             f"train.max_virtual_seconds={seconds:.0f}", "chaos=[]",
-                             "methods=['decoupled','elastic_dp','data_parallel']",
-                             *SWEEP_DP, *gen]))  # fmt: skip
+        runs.append(
+            (
+                label,
+                [
+                    f"train.tokens={tokens}",
+                    f"train.eval_every={tokens // 5}",
+                    f"train.max_virtual_seconds={seconds:.0f}",
+                    "chaos=[]",
+                    "methods=['decoupled','elastic_dp','data_parallel']",
+                    *SWEEP_DP,
+                    *gen,
+                ],
+            )
+        )
     return runs
 
 
@@ -151,8 +197,11 @@ def plot_failure_sweep(directories: dict[int, Path], out: Path) -> Path:
         ax_good.plot(x, [100 * g for _, _, g in points], "o-", label=method)
     ax_good.plot([1.2], [58], "k^", label="paper: elastic DP at 1.2M")
     ax_good.plot([1.2], [27], "kv", label="paper: DP at 1.2M")
-    ax_loss.set(xlabel="cluster size (M chips, per-chip MTBI 1 year)", ylabel="eval loss (nats)",
-                title="equal virtual time")  # fmt: skip
+    ax_loss.set(
+        xlabel="cluster size (M chips, per-chip MTBI 1 year)",
+        ylabel="eval loss (nats)",
+        title="equal virtual time",
+    )
     ax_good.set(xlabel="cluster size (M chips, per-chip MTBI 1 year)", ylabel="goodput (%)")
     ax_loss.legend()
     ax_good.legend(fontsize=7)
@@ -210,10 +259,15 @@ def run_all(
                 for s in summaries:
                     s["seed"], s["curve"] = seed, eval_curve(directory, s["method"])
                     rows.setdefault((n, label, s["method"]), []).append(s)
-                print(f"  {n:>9,} tokens  {label:<28} seed {seed}  "
-                      f"{time.monotonic() - started:6.0f} s", flush=True)  # fmt: skip
-    lines = ["| tokens | run | method | eval loss (mean ± spread) | goodput | virtual s | "
-             "peak B/step |", "|---|---|---|---|---|---|---|"]  # fmt: skip
+                print(
+                    f"  {n:>9,} tokens  {label:<28} seed {seed}  "
+                    f"{time.monotonic() - started:6.0f} s",
+                    flush=True,
+                )
+    lines = [
+        "| tokens | run | method | eval loss (mean ± spread) | goodput | virtual s | peak B/step |",
+        "|---|---|---|---|---|---|---|",
+    ]
     if name in TARGETED:
         # the target is the worst final loss of the seed's runs: a loss every run reaches
         target: dict[tuple[int, int], float] = {}
@@ -242,8 +296,10 @@ def run_all(
     if name == "failure-sweep":
         for n in tokens:
             for seed in seeds:
-                dirs = {chips: out / name / f"{n}-{chips // 1000}K_chips-s{seed}"
-                        for chips in SWEEP_CHIPS}  # fmt: skip
+                dirs = {
+                    chips: out / name / f"{n}-{chips // 1000}K_chips-s{seed}"
+                    for chips in SWEEP_CHIPS
+                }
                 dirs[0] = out / name / f"{n}-no_failures-s{seed}"
                 png = plot_failure_sweep(dirs, out / name / f"failure-sweep-{n}-s{seed}.png")
                 lines.append(f"\nplot: {png}")

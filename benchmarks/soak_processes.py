@@ -43,11 +43,20 @@ from ddiloco.runtime.processes.launcher import RELAYED, Launcher
 from ddiloco.runtime.processes.store import SyncerStore, recompute
 
 OVERRIDES = [
-    "model='gpt-tiny'", "methods=['decoupled']", "runtime='processes'", "train.learners=3",
-    "train.batch_size=4", "train.tokens=1000000000", "train.eval_every=1000000",
-    "sync.fragments=4", "sync.sync_every=8", "data.eval_batches=1",
-    "processes.journal=true", "processes.detect_seconds=3.0", "processes.max_wall_seconds=3600",
-]  # fmt: skip
+    "model='gpt-tiny'",
+    "methods=['decoupled']",
+    "runtime='processes'",
+    "train.learners=3",
+    "train.batch_size=4",
+    "train.tokens=1000000000",
+    "train.eval_every=1000000",
+    "sync.fragments=4",
+    "sync.sync_every=8",
+    "data.eval_batches=1",
+    "processes.journal=true",
+    "processes.detect_seconds=3.0",
+    "processes.max_wall_seconds=3600",
+]
 
 
 def planned(args: argparse.Namespace) -> tuple[int, int]:
@@ -148,8 +157,10 @@ class Soak:
         else:
             return False  # nobody to recover from yet: wait
         self.kills += 1
-        print(f"[{launcher.now():7.1f}s] kills {self.kills} (syncer {self.done['syncer']})",
-              flush=True)  # fmt: skip
+        print(
+            f"[{launcher.now():7.1f}s] kills {self.kills} (syncer {self.done['syncer']})",
+            flush=True,
+        )
         return True
 
     def verdict(self, merges: int) -> list[str]:
@@ -186,20 +197,33 @@ def audit(config: Any, store_dir: Path, acked: dict[int, int]) -> dict[str, Any]
     )
     state = store.ledger_state
     durable_ledger = state is not None and TokenLedger.from_state(state).balanced()
-    return {"merges": sum(r.version for r in records.values()), "answers_merged": len(merged),
-            "lost": lost, "doubled": doubled, "recomputed_equal": equal,
-            "durable_ledger_balanced": durable_ledger}  # fmt: skip
+    return {
+        "merges": sum(r.version for r in records.values()),
+        "answers_merged": len(merged),
+        "lost": lost,
+        "doubled": doubled,
+        "recomputed_equal": equal,
+        "durable_ledger_balanced": durable_ledger,
+    }
 
 
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--kills", type=int, default=50)
     parser.add_argument("--every", type=int, default=40, help="learner steps between kills")
-    parser.add_argument("--syncer-every", type=int, default=None,
-                        help="every Nth kill: the syncer (default 10; 0: never)")  # fmt: skip
+    parser.add_argument(
+        "--syncer-every",
+        type=int,
+        default=None,
+        help="every Nth kill: the syncer (default 10; 0: never)",
+    )
     parser.add_argument("--down", type=float, default=0.5, help="seconds before a restart")
-    parser.add_argument("--merge-timeout", type=float, default=120.0,
-                        help="seconds a restarted syncer has to merge a round")  # fmt: skip
+    parser.add_argument(
+        "--merge-timeout",
+        type=float,
+        default=120.0,
+        help="seconds a restarted syncer has to merge a round",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", help="run directory (default: a temp dir)")
     args = parser.parse_args()
@@ -209,9 +233,11 @@ def main() -> int:
         parser.error("--kills must be >= 1 and --syncer-every >= 0")
     learner_kills, syncer_kills = planned(args)
     if syncer_kills == 0 and not (explicit and args.syncer_every == 0):
-        parser.error(f"--kills {args.kills} with --syncer-every {args.syncer_every} plans no "
-                     "syncer kill: raise --kills, lower --syncer-every, or say --syncer-every "
-                     "0 to soak the learners alone")  # fmt: skip
+        parser.error(
+            f"--kills {args.kills} with --syncer-every {args.syncer_every} plans no "
+            "syncer kill: raise --kills, lower --syncer-every, or say --syncer-every "
+            "0 to soak the learners alone"
+        )
     print(f"planned: {learner_kills} learner kills, {syncer_kills} syncer kills", flush=True)
     out = Path(args.out or tempfile.mkdtemp(prefix="ddiloco-soak-"))
     out.mkdir(parents=True, exist_ok=True)
@@ -242,19 +268,25 @@ def main() -> int:
         log.close()
         print(f"events: {out / 'events.jsonl'}", flush=True)
     result = audit(config, out / "processes" / "syncer_state", soak.acked)
-    print(f"wall {time.monotonic() - started:.0f}s, kills {soak.kills} (learner "
-          f"{soak.done['learner']}, syncer {soak.done['syncer']}), "
-          f"rounds after each syncer restart {soak.lives}, "
-          f"recovered {soak.recovered_from}")  # fmt: skip
-    print(f"merges {result['merges']}, answers merged {result['answers_merged']}, "
-          f"lost {result['lost']}, doubled {result['doubled']}, "
-          f"recomputed == durable: {result['recomputed_equal']}, "
-          f"refused frames {summary['refused']}")  # fmt: skip
-    print(f"ledger balanced {summary['ledger_balanced']}, errors {summary['ledger_errors']}, "
-          f"durable snapshot balanced {result['durable_ledger_balanced']}, "
-          f"restart reconciliation {summary.get('ledger_restart')}, "
-          f"tokens {summary['tokens']}, merged {summary['tokens_merged']:.0f}, "
-          f"wasted {summary['tokens_wasted']}")  # fmt: skip
+    print(
+        f"wall {time.monotonic() - started:.0f}s, kills {soak.kills} (learner "
+        f"{soak.done['learner']}, syncer {soak.done['syncer']}), "
+        f"rounds after each syncer restart {soak.lives}, "
+        f"recovered {soak.recovered_from}"
+    )
+    print(
+        f"merges {result['merges']}, answers merged {result['answers_merged']}, "
+        f"lost {result['lost']}, doubled {result['doubled']}, "
+        f"recomputed == durable: {result['recomputed_equal']}, "
+        f"refused frames {summary['refused']}"
+    )
+    print(
+        f"ledger balanced {summary['ledger_balanced']}, errors {summary['ledger_errors']}, "
+        f"durable snapshot balanced {result['durable_ledger_balanced']}, "
+        f"restart reconciliation {summary.get('ledger_restart')}, "
+        f"tokens {summary['tokens']}, merged {summary['tokens_merged']:.0f}, "
+        f"wasted {summary['tokens_wasted']}"
+    )
     problems = soak.verdict(result["merges"])
     for key in ("lost", "doubled"):
         if result[key]:

@@ -56,8 +56,12 @@ class TrainConfig:
         for name in ("learners", "batch_size", "tokens", "eval_every"):
             require(getattr(self, name) >= 1, f"train.{name}", getattr(self, name), "must be >= 1")
         require(self.scavenged >= 0, "train.scavenged", self.scavenged, "must be >= 0")
-        require(self.max_virtual_seconds >= 0, "train.max_virtual_seconds",
-                self.max_virtual_seconds, "must be >= 0")  # fmt: skip
+        require(
+            self.max_virtual_seconds >= 0,
+            "train.max_virtual_seconds",
+            self.max_virtual_seconds,
+            "must be >= 0",
+        )
         require(self.lr > 0, "train.lr", self.lr, "must be > 0")
 
 
@@ -119,16 +123,23 @@ class SyncConfig:
         return SyncerConfig(self.rounds(), self.merge_rule, self.outer(), self.robust_config())
 
     def robust_config(self) -> RobustConfig:
-        return RobustConfig(self.robust, self.norm_clip, self.norm_refuse, self.norm_window,
-                            self.norm_warmup, self.norm_absurd)  # fmt: skip
+        return RobustConfig(
+            self.robust,
+            self.norm_clip,
+            self.norm_refuse,
+            self.norm_window,
+            self.norm_warmup,
+            self.norm_absurd,
+        )
 
     def rounds(self) -> RoundConfig:
         grace = GraceConfig(self.grace, self.grace_gamma, self.grace_cap_steps)
         return RoundConfig(self.quorum, self.max_staleness, self.overlap, grace)
 
     def outer(self) -> OuterConfig:
-        return OuterConfig(self.outer_optimizer, self.outer_lr, self.outer_momentum,
-                           self.outer_delay)  # fmt: skip
+        return OuterConfig(
+            self.outer_optimizer, self.outer_lr, self.outer_momentum, self.outer_delay
+        )
 
     def codec_spec(self) -> CodecSpec:
         return CodecSpec(self.codec, self.codec_block)
@@ -200,8 +211,13 @@ class ProcessesConfig:
 
     def __post_init__(self) -> None:
         require(self.max_restarts >= 0, "processes.max_restarts", self.max_restarts, ">= 0")
-        for name in ("restart_delay_seconds", "detect_seconds", "max_wall_seconds",
-                     "give_up_seconds", "restart_backoff_cap_seconds"):  # fmt: skip
+        for name in (
+            "restart_delay_seconds",
+            "detect_seconds",
+            "max_wall_seconds",
+            "give_up_seconds",
+            "restart_backoff_cap_seconds",
+        ):
             value = getattr(self, name)
             require(value > 0, f"processes.{name}", value, "must be > 0")
         require(self.ranks >= 1, "processes.ranks", self.ranks, "must be >= 1")

@@ -23,8 +23,14 @@ from ddiloco.runtime.processes.wire import Message, Wire, WireError
 
 SECRET = bytes(range(32))
 RUN = "r1"
-OVERRIDES = ["model='gpt-tiny'", "train.learners=2", "sync.fragments=2", "sync.sync_every=2",
-             "data.eval_batches=1", "train.tokens=100000000"]  # fmt: skip
+OVERRIDES = [
+    "model='gpt-tiny'",
+    "train.learners=2",
+    "sync.fragments=2",
+    "sync.sync_every=2",
+    "data.eval_batches=1",
+    "train.tokens=100000000",
+]
 
 
 def rss_bytes(pid: int) -> int:
@@ -44,11 +50,24 @@ class SyncerProcess:
         self.address = f"127.0.0.1:{free_port('127.0.0.1')}"
         self.stderr_path = tmp / "syncer.err"
         self.env = {**os.environ, SECRET_ENV: SECRET.hex()}
-        cmd = [sys.executable, "-m", "ddiloco.cli", "syncer", "--bind", self.address, "--run-id",
-               RUN, "--config", str(self.config_path), "--store", str(tmp / "store")]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "ddiloco.cli",
+            "syncer",
+            "--bind",
+            self.address,
+            "--run-id",
+            RUN,
+            "--config",
+            str(self.config_path),
+            "--store",
+            str(tmp / "store"),
+        ]
         with self.stderr_path.open("w") as err:
-            self.proc = subprocess.Popen(cmd, env=self.env, stdout=subprocess.PIPE, stderr=err,
-                                         text=True)  # fmt: skip
+            self.proc = subprocess.Popen(
+                cmd, env=self.env, stdout=subprocess.PIPE, stderr=err, text=True
+            )
         self.events: list[dict[str, Any]] = []
         self.up = threading.Event()
         threading.Thread(target=self._read, daemon=True).start()
@@ -84,8 +103,9 @@ class SyncerProcess:
 class Insider:
     """A peer holding the run secret, speaking the protocol by hand (or abusing it)."""
 
-    def __init__(self, address: str, m: int = 0, session: int = 5, secret: bytes = SECRET,
-                 run: str = RUN) -> None:  # fmt: skip
+    def __init__(
+        self, address: str, m: int = 0, session: int = 5, secret: bytes = SECRET, run: str = RUN
+    ) -> None:
         self.m = m
         self.ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self.sock = self.ctx.socket(zmq.DEALER)

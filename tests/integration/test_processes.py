@@ -48,12 +48,29 @@ def test_a_processes_run_writes_the_same_run_directory_as_the_simulated_clock(tm
     # this test is about the run directory and that the model learns, so it runs without it
     cfg = config("train.tokens=12000", "sync.outer_momentum=0.0")
     (summary,) = train(cfg, tmp_path, quiet=True)
-    for name in ("config.toml", "chaos_plan.json", "metrics.jsonl", "summary.json",
-                 "eval_loss.png", "timeline.png", "bytes.png"):  # fmt: skip
+    for name in (
+        "config.toml",
+        "chaos_plan.json",
+        "metrics.jsonl",
+        "summary.json",
+        "eval_loss.png",
+        "timeline.png",
+        "bytes.png",
+    ):
         assert (tmp_path / name).exists(), name
     on_disk = json.loads((tmp_path / "summary.json").read_text())
-    for key in ("method", "eval_loss", "tokens", "tokens_merged", "tokens_wasted", "goodput",
-                "uptime", "virtual_seconds", "bytes_sent", "bytes_received"):  # fmt: skip
+    for key in (
+        "method",
+        "eval_loss",
+        "tokens",
+        "tokens_merged",
+        "tokens_wasted",
+        "goodput",
+        "uptime",
+        "virtual_seconds",
+        "bytes_sent",
+        "bytes_received",
+    ):
         assert key in on_disk, key
     assert summary["tokens"] >= 12000
     assert summary["rounds"] > 0 and summary["tokens_merged"] > 0

@@ -81,8 +81,15 @@ def test_peers_without_the_secret_get_nothing_crash_nothing_and_displace_nobody(
 
 
 def zmtp_greeting(mechanism: bytes) -> bytes:
-    return (b"\xff" + b"\0" * 8 + b"\x7f" + b"\x03\x00" + mechanism.ljust(20, b"\0") + b"\0"
-            + b"\0" * 31)  # fmt: skip
+    return (
+        b"\xff"
+        + b"\0" * 8
+        + b"\x7f"
+        + b"\x03\x00"
+        + mechanism.ljust(20, b"\0")
+        + b"\0"
+        + b"\0" * 31
+    )
 
 
 def test_an_unterminated_multipart_message_and_a_flood_grow_the_syncer_by_little(tmp_path):
@@ -128,10 +135,22 @@ SHAPES = [
     ("hello", {"inc": 5, "step": 0, "versions": {"a": 1}}),
     ("progress", {"inc": 5, "step": 2, "tokens": "x", "secs": 0.1}),
     ("progress", {"inc": 5, "step": float("nan"), "tokens": 64, "secs": 0.1}),
-    ("answer", {"learner": 0, "incarnation": 5, "seq": 0, "fragment": 0, "round_id": -1,
-                "base_version": 0, "local_step": 1, "c_steps": 1, "c_tokens": "x"}),
+    (
+        "answer",
+        {
+            "learner": 0,
+            "incarnation": 5,
+            "seq": 0,
+            "fragment": 0,
+            "round_id": -1,
+            "base_version": 0,
+            "local_step": 1,
+            "c_steps": 1,
+            "c_tokens": "x",
+        },
+    ),
     ("progress", {"inc": 5, "step": 2, "tokens": 64, "secs": 0.1, "rebased": [7, -1]}),
-]  # fmt: skip
+]
 
 
 def test_malformed_metadata_from_an_insider_is_refused_counted_and_logged(tmp_path):
@@ -179,16 +198,24 @@ def test_bad_frames_and_nan_updates_are_refused_logged_counted_and_never_applied
         shapes = [t.shape for t in gather(setup.plan, 0, setup.initial)]
         payload = bytearray(encode_tensors([torch.zeros(s) for s in shapes], CodecSpec("fp32")))
         payload[-4:] = struct.pack("<f", float("nan"))
-        meta = {"learner": 0, "incarnation": 5, "seq": 0, "fragment": 0, "round_id": -1,
-                "base_version": 0, "local_step": 1, "c_steps": 1, "c_tokens": 64}  # fmt: skip
+        meta = {
+            "learner": 0,
+            "incarnation": 5,
+            "seq": 0,
+            "fragment": 0,
+            "round_id": -1,
+            "base_version": 0,
+            "local_step": 1,
+            "c_steps": 1,
+            "c_tokens": 64,
+        }
         learner.send("answer", fragment=0, meta=meta, payload=payload)
         assert learner.expect("verdict").header.meta["verdict"] == "refused_nonfinite"
         summary = syncer.stop()
     finally:
         learner.close()
         syncer.kill()
-    assert summary["refused"] == {"checksum": 1, "oversized": 1, "replay": 1, "auth": 1,
-                                  "run": 1}  # fmt: skip
+    assert summary["refused"] == {"checksum": 1, "oversized": 1, "replay": 1, "auth": 1, "run": 1}
     assert summary["service"]["refused_parts"] == 1  # the truncated one: 2 parts
     assert summary["service"]["refused_nonfinite"] == 1
     assert summary["versions"] == [0, 0] and summary["rounds"] == 0  # nothing was applied
@@ -199,10 +226,24 @@ def test_bad_frames_and_nan_updates_are_refused_logged_counted_and_never_applied
 
 def start_learner(config_path, address: str, secret: bytes, run: str, *extra: str):
     env = {**os.environ, SECRET_ENV: secret.hex()}
-    cmd = [sys.executable, "-m", "ddiloco.cli", "learner", "--syncer", address, "--id", "0",
-           "--run-id", run, "--config", str(config_path), *extra]  # fmt: skip
-    return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                            text=True)  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "ddiloco.cli",
+        "learner",
+        "--syncer",
+        address,
+        "--id",
+        "0",
+        "--run-id",
+        run,
+        "--config",
+        str(config_path),
+        *extra,
+    ]
+    return subprocess.Popen(
+        cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
 
 
 def test_a_learner_refused_or_without_a_syncer_stops_at_once_naming_the_cause(tmp_path):
@@ -242,8 +283,13 @@ def drive(learners, shapes, steps: range, delta_of) -> dict[int, list]:
     for step in steps:
         for m, learner in learners.items():
             tokens = 10**12 if m == 1 else 256
-            meta = {"inc": learner.wire.session, "step": step, "tokens": tokens, "secs": 0.01,
-                    "rebased": []}  # fmt: skip
+            meta = {
+                "inc": learner.wire.session,
+                "step": step,
+                "tokens": tokens,
+                "secs": 0.01,
+                "rebased": [],
+            }
             learner.send("progress", meta=meta)
         time.sleep(0.05)
         for m, learner in learners.items():
@@ -254,23 +300,31 @@ def drive(learners, shapes, steps: range, delta_of) -> dict[int, list]:
                 if msg.kind != "ask":
                     continue
                 learner.seq = getattr(learner, "seq", -1) + 1
-                meta = {"learner": m, "incarnation": learner.wire.session, "seq": learner.seq,
-                        "fragment": f, "round_id": msg.header.round, "base_version": 0,
-                        "local_step": step, "c_steps": 2,
-                        "c_tokens": 10**12 if m == 1 else 512}  # fmt: skip
+                meta = {
+                    "learner": m,
+                    "incarnation": learner.wire.session,
+                    "seq": learner.seq,
+                    "fragment": f,
+                    "round_id": msg.header.round,
+                    "base_version": 0,
+                    "local_step": step,
+                    "c_steps": 2,
+                    "c_tokens": 10**12 if m == 1 else 512,
+                }
                 payload = encode_tensors(delta_of(m, f), CodecSpec("fp32"))
-                learner.send("answer", fragment=f, round=msg.header.round, meta=meta,
-                             payload=payload)  # fmt: skip
+                learner.send(
+                    "answer", fragment=f, round=msg.header.round, meta=meta, payload=payload
+                )
     return fragments
 
 
 def test_lies_about_tokens_and_huge_or_zero_deltas_neither_take_nor_freeze_the_merge(tmp_path):
-    syncer = SyncerProcess(tmp_path, ["train.batch_size=4", "sync.max_staleness=1000",
-                                      "sync.outer_momentum=0.0"])  # fmt: skip
+    syncer = SyncerProcess(
+        tmp_path, ["train.batch_size=4", "sync.max_staleness=1000", "sync.outer_momentum=0.0"]
+    )
     setup = RunSetup(syncer.config)
     per_step = 4 * setup.seq_len  # batch x sequence length: what one step can hold
-    initial = [[t.detach().clone() for t in gather(setup.plan, p, setup.initial)]
-               for p in range(2)]  # fmt: skip
+    initial = [[t.detach().clone() for t in gather(setup.plan, p, setup.initial)] for p in range(2)]
     honest = [[torch.full_like(t, 1e-3) for t in frag] for frag in initial]
     learners = {m: Insider(syncer.address, m=m, session=5 + m) for m in (0, 1)}
     scale = {"liar": 1e6}

@@ -7,11 +7,21 @@ from ddiloco.config import load_config
 
 
 def test_four_learners_with_a_large_eval_set_keep_the_ledger_balanced(tmp_path, launch):
-    cfg = load_config(None, [
-        "model='gpt-1m'", "methods=['decoupled']", "runtime='processes'", "train.learners=4",
-        "sync.fragments=24", "sync.sync_every=24", "data.eval_batches=64",
-        "train.tokens=100000", "train.eval_every=10000", "processes.max_wall_seconds=240.0",
-    ])  # fmt: skip
+    cfg = load_config(
+        None,
+        [
+            "model='gpt-1m'",
+            "methods=['decoupled']",
+            "runtime='processes'",
+            "train.learners=4",
+            "sync.fragments=24",
+            "sync.sync_every=24",
+            "data.eval_batches=64",
+            "train.tokens=100000",
+            "train.eval_every=10000",
+            "processes.max_wall_seconds=240.0",
+        ],
+    )
     done: dict[int, int] = {}
 
     def hook(_, record):

@@ -29,10 +29,20 @@ from ddiloco.runtime.processes.launcher import SYNCER, Launcher
 from ddiloco.runtime.processes.shm import run_directory
 from ddiloco.runtime.processes.supervision import LaunchError
 
-BASE = ["model='gpt-tiny'", "methods=['decoupled']", "runtime='processes'", "train.learners=2",
-        "train.batch_size=4", "train.warmup_steps=5", "train.eval_every=8000",
-        "sync.fragments=4", "sync.sync_every=8", "data.eval_batches=1",
-        "processes.detect_seconds=3.0", "processes.max_wall_seconds=120.0"]  # fmt: skip
+BASE = [
+    "model='gpt-tiny'",
+    "methods=['decoupled']",
+    "runtime='processes'",
+    "train.learners=2",
+    "train.batch_size=4",
+    "train.warmup_steps=5",
+    "train.eval_every=8000",
+    "sync.fragments=4",
+    "sync.sync_every=8",
+    "data.eval_batches=1",
+    "processes.detect_seconds=3.0",
+    "processes.max_wall_seconds=120.0",
+]
 SLEEPER = ["-c", "import time; time.sleep(120)"]  # a process that neither fails nor talks
 
 MODELS = """
@@ -70,8 +80,9 @@ def alive(pid: int) -> bool:
 def left_behind(records: list[dict[str, Any]], out: Path) -> list[str]:
     """Processes of the run still alive: those it started, and any (a torchrun rank, an
     orphan) whose command line names the run directory."""
-    found = [f"{r['process']} {r['pid']}" for r in records
-             if r["kind"] == "started" and alive(r["pid"])]  # fmt: skip
+    found = [
+        f"{r['process']} {r['pid']}" for r in records if r["kind"] == "started" and alive(r["pid"])
+    ]
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit() and int(entry.name) != os.getpid():
             try:
@@ -88,8 +99,9 @@ def fake_launcher(
 ):
     """A launcher whose syncer and learners are the given programs (default: sleepers)."""
     records: list[dict[str, Any]] = []
-    launcher = Launcher(load_config(None, [*BASE, *overrides]), "decoupled", tmp_path,
-                        records.append)  # fmt: skip
+    launcher = Launcher(
+        load_config(None, [*BASE, *overrides]), "decoupled", tmp_path, records.append
+    )
     launcher.start_syncer = lambda: launcher._spawn(SYNCER, syncer)  # type: ignore[method-assign]
     launcher.start_learner = lambda m, join=False: launcher._spawn(  # type: ignore[method-assign]
         f"learner-{m}", learners.get(m, SLEEPER)
@@ -140,8 +152,11 @@ def test_a_syncer_that_keeps_failing_is_given_up_with_backoff_and_its_log_tail(t
         print("RuntimeError: store damaged: bad checksum in fragment 2", file=sys.stderr)
         sys.exit(1)
     """)
-    overrides = ["processes.max_restarts=2", "processes.restart_delay_seconds=0.3",
-                 "processes.restart_backoff_cap_seconds=0.5"]  # fmt: skip
+    overrides = [
+        "processes.max_restarts=2",
+        "processes.restart_delay_seconds=0.3",
+        "processes.restart_backoff_cap_seconds=0.5",
+    ]
     launcher, records = fake_launcher(tmp_path, overrides, crash, {})
     started = time.monotonic()
     with pytest.raises(LaunchError) as info:
@@ -208,18 +223,30 @@ def english(path: Path, size: int = 160_000) -> None:
     path.write_text("".join(text))
 
 
-@pytest.mark.parametrize(("sig", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)],
-                         ids=["SIGINT", "SIGTERM"])  # fmt: skip
+@pytest.mark.parametrize(
+    ("sig", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["SIGINT", "SIGTERM"]
+)
 def test_a_signal_to_ddiloco_train_stops_it_cleanly_with_a_summary(tmp_path, sig, code):
     english(tmp_path / "corpus.txt")
-    config = load_config(None, [*BASE, "train.tokens=100000000",
-                                f"data.source='{tmp_path / 'corpus.txt'}'"])  # fmt: skip
+    config = load_config(
+        None, [*BASE, "train.tokens=100000000", f"data.source='{tmp_path / 'corpus.txt'}'"]
+    )
     (tmp_path / "run.toml").write_text(to_toml(config))
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "ddiloco.cli", "train", "--config", str(tmp_path / "run.toml"),
-           "--out", str(out), "--quiet"]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "ddiloco.cli",
+        "train",
+        "--config",
+        str(tmp_path / "run.toml"),
+        "--out",
+        str(out),
+        "--quiet",
+    ]
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
     try:
         deadline = time.monotonic() + 90.0
         while time.monotonic() < deadline and proc.poll() is None:

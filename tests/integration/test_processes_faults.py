@@ -13,19 +13,33 @@ FAULTS = "drop=0.02,duplicate=0.05,corrupt=0.03,truncate=0.02,delay=0.05,delay_s
 
 
 def test_a_run_through_a_faulty_network_finishes_and_its_merges_audit_clean(tmp_path):
-    config = load_config(None, [
-        "model='gpt-tiny'", "methods=['decoupled']", "runtime='processes'", "train.learners=2",
-        "train.batch_size=4", "train.tokens=60000", "train.eval_every=20000",
-        "sync.fragments=4", "sync.sync_every=8", "data.eval_batches=1",
-        "processes.journal=true", "processes.detect_seconds=3.0",
-        "processes.max_wall_seconds=150.0", f"processes.proxy='{FAULTS}'",
-    ])  # fmt: skip
+    config = load_config(
+        None,
+        [
+            "model='gpt-tiny'",
+            "methods=['decoupled']",
+            "runtime='processes'",
+            "train.learners=2",
+            "train.batch_size=4",
+            "train.tokens=60000",
+            "train.eval_every=20000",
+            "sync.fragments=4",
+            "sync.sync_every=8",
+            "data.eval_batches=1",
+            "processes.journal=true",
+            "processes.detect_seconds=3.0",
+            "processes.max_wall_seconds=150.0",
+            f"processes.proxy='{FAULTS}'",
+        ],
+    )
     records: list[dict] = []
     summary = Launcher(config, "decoupled", tmp_path, records.append).run()
     proxy = summary["proxy"]
     assert min(proxy.get(k, 0) for k in ("dropped", "duplicated", "corrupted", "truncated")) > 0
-    refused = {k: summary["refused"].get(k, 0) + summary["refused_by_learners"].get(k, 0)
-               for k in ("checksum", "truncated", "replay")}  # fmt: skip
+    refused = {
+        k: summary["refused"].get(k, 0) + summary["refused_by_learners"].get(k, 0)
+        for k in ("checksum", "truncated", "replay")
+    }
     assert min(refused.values()) > 0, refused  # each kind of damage was caught and counted
     assert summary["rounds"] > 0 and summary["tokens"] >= 60000
     evals = [r["loss"] for r in records if r["kind"] == "eval"]

@@ -65,8 +65,11 @@ def test_a_cut_link_holds_a_learners_traffic_and_its_answers_are_merged_again_af
     assert not [r for r in records if merged_from(r, 1) and detected[0] <= r["t"] < end]
     # ...while learner 0 was merged as usual, and learner 1 itself kept training
     assert [r for r in records if merged_from(r, 0) and start < r["t"] < end]
-    assert [r for r in records if r["kind"] == "step" and r["learner"] == 1
-            and start + 1.0 < r["t"] < end]  # fmt: skip
+    assert [
+        r
+        for r in records
+        if r["kind"] == "step" and r["learner"] == 1 and start + 1.0 < r["t"] < end
+    ]
     # after the cut its held frames went through: it registered again and is merged again
     assert [r for r in records if r["kind"] == "joined" and r["learner"] == 1 and r["t"] >= end]
     assert state["after"] >= 2

@@ -10,12 +10,23 @@ from ddiloco.runtime.processes.launcher import Launcher
 
 
 def test_a_torchrun_learner_keeps_its_ranks_identical_and_counts_their_tokens(tmp_path):
-    config = load_config(None, [
-        "model='gpt-tiny'", "methods=['decoupled']", "runtime='processes'", "train.learners=2",
-        "train.batch_size=2", "train.tokens=16000", "train.eval_every=8000",
-        "sync.fragments=4", "sync.sync_every=8", "data.eval_batches=1",
-        "processes.ranks=2", "processes.max_wall_seconds=170",
-    ])  # fmt: skip
+    config = load_config(
+        None,
+        [
+            "model='gpt-tiny'",
+            "methods=['decoupled']",
+            "runtime='processes'",
+            "train.learners=2",
+            "train.batch_size=2",
+            "train.tokens=16000",
+            "train.eval_every=8000",
+            "sync.fragments=4",
+            "sync.sync_every=8",
+            "data.eval_batches=1",
+            "processes.ranks=2",
+            "processes.max_wall_seconds=170",
+        ],
+    )
     records: list[dict[str, Any]] = []
     launcher = Launcher(config, "decoupled", tmp_path, records.append)
     summary = launcher.run()
@@ -26,6 +37,7 @@ def test_a_torchrun_learner_keeps_its_ranks_identical_and_counts_their_tokens(tm
         assert record["tokens"] == 2 * 2 * 64 * record["step"]  # both ranks' batches count
     assert summary["rounds"] > 0 and summary["tokens"] >= 16000
     assert {r["learner"] for r in records if r["kind"] == "step"} == {0, 1}  # rank 0 only speaks
-    per_learner = {m: sum(1 for r in records if r["kind"] == "step" and r["learner"] == m)
-                   for m in (0, 1)}  # fmt: skip
+    per_learner = {
+        m: sum(1 for r in records if r["kind"] == "step" and r["learner"] == m) for m in (0, 1)
+    }
     assert all(per_learner[m] == done[m]["step"] for m in (0, 1))  # one step event per step

@@ -11,12 +11,24 @@ from ddiloco.runtime.processes.launcher import Launcher
 
 
 def test_a_scavenged_learner_joins_copies_a_peer_contributes_and_leaves_cleanly(tmp_path):
-    config = load_config(None, [
-        "model='gpt-tiny'", "methods=['decoupled']", "runtime='processes'", "train.learners=2",
-        "train.scavenged=1", "train.batch_size=4", "train.tokens=10000000",
-        "train.eval_every=1000000", "sync.fragments=4", "sync.sync_every=8",
-        "data.eval_batches=1", "processes.detect_seconds=3.0", "processes.max_wall_seconds=150",
-    ])  # fmt: skip
+    config = load_config(
+        None,
+        [
+            "model='gpt-tiny'",
+            "methods=['decoupled']",
+            "runtime='processes'",
+            "train.learners=2",
+            "train.scavenged=1",
+            "train.batch_size=4",
+            "train.tokens=10000000",
+            "train.eval_every=1000000",
+            "sync.fragments=4",
+            "sync.sync_every=8",
+            "data.eval_batches=1",
+            "processes.detect_seconds=3.0",
+            "processes.max_wall_seconds=150",
+        ],
+    )
     state: dict[str, Any] = {"steps0": 0, "steps2": 0}
 
     def hook(launcher: Launcher, r: dict[str, Any]) -> None:

@@ -10,10 +10,20 @@ from typing import Any
 from ddiloco.config import load_config
 from ddiloco.runtime.processes.launcher import SYNCER, Launcher
 
-BASE = ["model='gpt-tiny'", "methods=['decoupled']", "runtime='processes'", "train.learners=2",
-        "train.batch_size=2", "train.tokens=48000", "train.eval_every=1000000",
-        "sync.fragments=1", "sync.sync_every=8", "data.eval_batches=1",
-        "processes.detect_seconds=3.0", "processes.max_wall_seconds=120"]  # fmt: skip
+BASE = [
+    "model='gpt-tiny'",
+    "methods=['decoupled']",
+    "runtime='processes'",
+    "train.learners=2",
+    "train.batch_size=2",
+    "train.tokens=48000",
+    "train.eval_every=1000000",
+    "sync.fragments=1",
+    "sync.sync_every=8",
+    "data.eval_batches=1",
+    "processes.detect_seconds=3.0",
+    "processes.max_wall_seconds=120",
+]
 
 
 def run(tmp_path: Path, roots: dict[str, Path]) -> tuple[dict[str, Any], list[dict[str, Any]]]:

@@ -18,10 +18,20 @@ from ddiloco.chaos.plan import ChaosEvent
 from ddiloco.config import load_config
 from ddiloco.runtime.processes.launcher import Launcher
 
-BASE = ["model='gpt-tiny'", "methods=['decoupled']", "runtime='processes'", "train.learners=2",
-        "train.tokens=10000000", "train.eval_every=1000000", "train.warmup_steps=5",
-        "sync.fragments=4", "sync.sync_every=8", "data.eval_batches=1",
-        "processes.detect_seconds=3.0", "processes.max_wall_seconds=150"]  # fmt: skip
+BASE = [
+    "model='gpt-tiny'",
+    "methods=['decoupled']",
+    "runtime='processes'",
+    "train.learners=2",
+    "train.tokens=10000000",
+    "train.eval_every=1000000",
+    "train.warmup_steps=5",
+    "sync.fragments=4",
+    "sync.sync_every=8",
+    "data.eval_batches=1",
+    "processes.detect_seconds=3.0",
+    "processes.max_wall_seconds=150",
+]
 
 
 def step_times(records: list[dict[str, Any]], learner: int) -> list[float]:
@@ -48,8 +58,11 @@ def test_a_slowed_learner_trains_less_while_its_peer_keeps_its_pace_and_is_still
         state["steps"][r["learner"]] += 1
         if "slowed" not in state and min(state["steps"].values()) >= 80:
             state["slowed"] = launcher.now()
-            launcher.play(ChaosEvent(at=launcher.now(), kind="slow", learner=1,
-                                     duration=duration, factor=factor))  # fmt: skip
+            launcher.play(
+                ChaosEvent(
+                    at=launcher.now(), kind="slow", learner=1, duration=duration, factor=factor
+                )
+            )
         if "slowed" in state and r["learner"] == 1 and launcher.now() > state["slowed"] + duration:
             state["after"] = state.get("after", 0) + 1  # steps at full speed again
             if state["after"] == 60:
@@ -141,8 +154,9 @@ def test_a_data_parallel_learner_that_loses_a_rank_fails_fast_restarts_and_copie
     # restarted by the launcher, it copied its peer (not the syncer) and trained on from there
     assert summary["restarts"] == {"learner-1": 1}
     assert recovered["peer"] == 0 and recovered["bytes"] > 0 and recovered["step"] > 0
-    after = [r for r in records if r["kind"] == "step" and r["learner"] == 1
-             and r["t"] > recovered["t"]]  # fmt: skip
+    after = [
+        r for r in records if r["kind"] == "step" and r["learner"] == 1 and r["t"] > recovered["t"]
+    ]
     assert after and after[0]["step"] == recovered["step"] + 1
     # the other learner kept training while the group was down and coming back
     assert any(killed < t < recovered["t"] for t in step_times(records, 0))
@@ -166,8 +180,7 @@ def test_a_frozen_data_parallel_learner_stops_all_its_ranks_not_only_torchrun(tm
         state["steps"][r["learner"]] += 1
         if "frozen" not in state and min(state["steps"].values()) >= 10:
             state["frozen"] = launcher.now()
-            launcher.play(ChaosEvent(at=launcher.now(), kind="freeze", learner=1,
-                                     duration=freeze))  # fmt: skip
+            launcher.play(ChaosEvent(at=launcher.now(), kind="freeze", learner=1, duration=freeze))
         if "frozen" in state and r["learner"] == 1 and launcher.now() > state["frozen"] + freeze:
             state["after"] = state.get("after", 0) + 1
             if state["after"] == 10:

@@ -131,8 +131,9 @@ def _run_method(splits, method: str, *overrides: str):
 
     config = load_config(None, [*BASE, *overrides])
     records: list[dict[str, Any]] = []
-    summary = run_method(config, method, splits, eval_batches(splits.eval, 64, 4, 1),
-                         records.append)  # fmt: skip
+    summary = run_method(
+        config, method, splits, eval_batches(splits.eval, 64, 4, 1), records.append
+    )
     return summary, records
 
 
@@ -148,9 +149,11 @@ def test_a_long_freeze_is_detected_and_the_learner_rejoins_with_its_state(splits
 
 def test_scavenged_learner_joins_from_a_peer_and_leaves(splits):
     summary, records = _run(
-        splits, "train.scavenged=1", "train.learners=2",
+        splits,
+        "train.scavenged=1",
+        "train.learners=2",
         "chaos=[{at=2.0, kind='join', learner=2}, {at=6.0, kind='leave', learner=2}]",
-    )  # fmt: skip
+    )
     assert [(r["learner"], r["peer"]) for r in records if r["kind"] == "recovered"] == [(2, 0)]
     steps = [r["t"] for r in records if r["kind"] == "step" and r["learner"] == 2]
     assert steps and min(steps) > 2.0 and max(steps) < 6.0
@@ -201,8 +204,13 @@ def test_data_parallel_rolls_back_and_elastic_shrinks(splits):
 
 
 def test_replaying_an_expanded_plan_reproduces_the_run(tmp_path):
-    overrides = ["train.tokens=5000", "train.eval_every=2500", "methods=['decoupled']",
-                 "chaos_gen.mtbi_hours=0.002", "chaos_gen.recovery_seconds=3.0"]  # fmt: skip
+    overrides = [
+        "train.tokens=5000",
+        "train.eval_every=2500",
+        "methods=['decoupled']",
+        "chaos_gen.mtbi_hours=0.002",
+        "chaos_gen.recovery_seconds=3.0",
+    ]
     first = load_config("configs/smoke.toml", overrides)
     train(first, tmp_path / "a", quiet=True)
     plan = json.loads((tmp_path / "a" / "chaos_plan.json").read_text())
@@ -231,7 +239,8 @@ def test_lock_step_survives_a_crash_without_stalling(splits):
 
 def test_a_virtual_time_budget_stops_every_method(splits):
     for method in ("decoupled", "data_parallel"):
-        summary, _ = _run_method(splits, method, "train.tokens=10000000",
-                                 "train.max_virtual_seconds=6")  # fmt: skip
+        summary, _ = _run_method(
+            splits, method, "train.tokens=10000000", "train.max_virtual_seconds=6"
+        )
         assert 6.0 <= summary["virtual_seconds"] < 6.0 + 3.0, method
         assert summary["tokens"] < 10_000_000

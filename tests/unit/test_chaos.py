@@ -23,8 +23,13 @@ def test_failure_count_matches_the_rate():
 
 
 def test_expansion_is_seeded_sorted_and_keeps_explicit_events():
-    gen = ChaosGenerators(mtbi_hours=0.5, chips_per_learner=2, scavenge_join_at=5.0,
-                          scavenge_stagger=3.0, scavenge_stay=10.0)  # fmt: skip
+    gen = ChaosGenerators(
+        mtbi_hours=0.5,
+        chips_per_learner=2,
+        scavenge_join_at=5.0,
+        scavenge_stagger=3.0,
+        scavenge_stay=10.0,
+    )
     explicit = (ChaosEvent(7.0, "slow", 1, 5.0, 1.5),)
     a = expand(explicit, gen, 3, 2, 5000.0, random.Random(9))
     b = expand(explicit, gen, 3, 2, 5000.0, random.Random(9))
@@ -32,8 +37,12 @@ def test_expansion_is_seeded_sorted_and_keeps_explicit_events():
     assert explicit[0] in a
     assert [e.at for e in a] == sorted(e.at for e in a)
     scavenging = [(e.kind, e.learner, e.at) for e in a if e.kind in ("join", "leave")]
-    assert scavenging == [("join", 3, 5.0), ("join", 4, 8.0), ("leave", 3, 15.0),
-                          ("leave", 4, 18.0)]  # fmt: skip
+    assert scavenging == [
+        ("join", 3, 5.0),
+        ("join", 4, 8.0),
+        ("leave", 3, 15.0),
+        ("leave", 4, 18.0),
+    ]
 
 
 def test_plan_round_trips_through_json(tmp_path):
@@ -45,10 +54,14 @@ def test_plan_round_trips_through_json(tmp_path):
 
 @pytest.mark.parametrize(
     "text,field",
-    [("{", "chaos_plan"), ("{}", "chaos_plan"), ("[1]", r"chaos_plan\[0\]"),
-     ('[{"at": 1, "kind": "explode", "learner": 0}]', "chaos.kind"),
-     ('[{"at": 1, "kind": "crash"}]', r"chaos_plan\[0\]")],
-)  # fmt: skip
+    [
+        ("{", "chaos_plan"),
+        ("{}", "chaos_plan"),
+        ("[1]", r"chaos_plan\[0\]"),
+        ('[{"at": 1, "kind": "explode", "learner": 0}]', "chaos.kind"),
+        ('[{"at": 1, "kind": "crash"}]', r"chaos_plan\[0\]"),
+    ],
+)
 def test_bad_plans_name_the_field(tmp_path, text, field):
     path = tmp_path / "p.json"
     path.write_text(text)
@@ -58,10 +71,12 @@ def test_bad_plans_name_the_field(tmp_path, text, field):
 
 @pytest.mark.parametrize(
     "kwargs,field",
-    [({"mtbi_hours": -1}, "chaos_gen.mtbi_hours"),
-     ({"chips_per_learner": 0}, "chaos_gen.chips_per_learner"),
-     ({"time_scale": 0}, "chaos_gen.time_scale")],
-)  # fmt: skip
+    [
+        ({"mtbi_hours": -1}, "chaos_gen.mtbi_hours"),
+        ({"chips_per_learner": 0}, "chaos_gen.chips_per_learner"),
+        ({"time_scale": 0}, "chaos_gen.time_scale"),
+    ],
+)
 def test_bad_generators_name_the_field(kwargs, field):
     with pytest.raises(ConfigError, match=field):
         ChaosGenerators(**kwargs)

@@ -70,8 +70,9 @@ def test_weibull_lifetimes_keep_the_long_run_rate():
 
 
 def test_correlated_failures_take_down_the_whole_group():
-    p = load_params(overrides=["failures.correlated_probability=1.0",
-                               "failures.correlated_domains=4"])  # fmt: skip
+    p = load_params(
+        overrides=["failures.correlated_probability=1.0", "failures.correlated_domains=4"]
+    )
     trace = sample_trace(np.random.default_rng(2), 64 * 400, 5 * 86400.0, p.failures)
     _, counts = np.unique(trace.time, return_counts=True)
     assert (counts == 4).mean() > 0.95
@@ -89,17 +90,24 @@ def test_learners_split_domains_into_contiguous_nearly_equal_ranges():
 
 def test_a_failure_during_a_pause_joins_it_and_repairs_are_batched():
     # outages at 0 and 5 (one pause of 20 s), repairs at 100 and 130, batch 60, upscale 10
-    pauses = pause_chain([0.0, 5.0, 500.0], [20.0, 20.0, 20.0], [100.0, 130.0], [10.0] * 4,
-                         60.0, True, 1000.0)  # fmt: skip
+    pauses = pause_chain(
+        [0.0, 5.0, 500.0], [20.0, 20.0, 20.0], [100.0, 130.0], [10.0] * 4, 60.0, True, 1000.0
+    )
     assert pauses.start.tolist() == [0.0, 160.0, 500.0]
     assert pauses.upscale.tolist() == [False, True, False]
     assert pauses.end.tolist() == [20.0, 170.0, 520.0]
 
 
 def test_zero_restart_and_reconfiguration_times_are_the_ideal_limit():
-    zero = ["timing.detect_s=0.0", "dp.replace_s=0.0", "dp.restart_s=0.0",
-            "elastic.downscale_s=0.0", "elastic.upscale_s=0.0", "elastic.upscale_batch_s=0.0",
-            "timing.step_s=0.000001"]  # fmt: skip
+    zero = [
+        "timing.detect_s=0.0",
+        "dp.replace_s=0.0",
+        "dp.restart_s=0.0",
+        "elastic.downscale_s=0.0",
+        "elastic.upscale_s=0.0",
+        "elastic.upscale_batch_s=0.0",
+        "timing.step_s=0.000001",
+    ]
     p = quick(load_params(overrides=zero), chips=(150_000,), seeds=1, days=1.0)
     for name, outcome in simulate_cell(p, 150_000, 0).items():
         assert outcome.uptime == pytest.approx(1.0), name
@@ -111,10 +119,17 @@ def test_zero_restart_and_reconfiguration_times_are_the_ideal_limit():
 
 def test_dp_matches_the_renewal_formula_and_young_daly():
     chips, cost, restart = 16_384, 10.0, 60.0
-    p = load_params(overrides=["timing.detect_s=0.0", "dp.replace_s=0.0",
-                               "failures.repair_median_s=1.0",
-                               f"dp.restart_s={restart}", "dp.checkpoint_interval_s=0.0",
-                               f"dp.checkpoint_cost_s={cost}", "run.days=60.0"])  # fmt: skip
+    p = load_params(
+        overrides=[
+            "timing.detect_s=0.0",
+            "dp.replace_s=0.0",
+            "failures.repair_median_s=1.0",
+            f"dp.restart_s={restart}",
+            "dp.checkpoint_interval_s=0.0",
+            f"dp.checkpoint_cost_s={cost}",
+            "run.days=60.0",
+        ]
+    )
     mtbf = YEAR_S / chips
     c = checkpoint_interval(p, chips)
     assert c == pytest.approx(math.sqrt(2 * cost * mtbf))  # Young's optimum
@@ -138,10 +153,18 @@ def test_dp_matches_the_renewal_formula_and_young_daly():
 @pytest.mark.parametrize("chips", [300_000, 1_200_000])
 def test_elastic_goodput_is_one_minus_u_over_one_plus_lambda_p(chips):
     pause, repair = 20.0, 3600.0
-    p = load_params(overrides=["timing.detect_s=5.0", f"elastic.downscale_s={pause - 5}",
-                               "elastic.upscale_s=0.0", "elastic.upscale_batch_s=0.0",
-                               f"failures.repair_median_s={repair}", "failures.repair_sigma=0.0",
-                               "timing.step_s=0.000001", "run.days=10.0"])  # fmt: skip
+    p = load_params(
+        overrides=[
+            "timing.detect_s=5.0",
+            f"elastic.downscale_s={pause - 5}",
+            "elastic.upscale_s=0.0",
+            "elastic.upscale_batch_s=0.0",
+            f"failures.repair_median_s={repair}",
+            "failures.repair_sigma=0.0",
+            "timing.step_s=0.000001",
+            "run.days=10.0",
+        ]
+    )
     u = repair / (YEAR_S / 64 + repair)  # Little: share of domains out for repair
     lam = chips / YEAR_S * (1 - u)  # a domain under repair cannot fail again
     expected = (1 - u) / (1 + lam * pause)
@@ -154,9 +177,16 @@ def test_elastic_goodput_is_one_minus_u_over_one_plus_lambda_p(chips):
 
 def test_a_decoupled_learner_is_an_elastic_job_of_n_over_m_chips():
     chips, m = 1_200_000, 4
-    p = load_params(overrides=["elastic.upscale_s=0.0", "elastic.upscale_batch_s=0.0",
-                               "failures.repair_sigma=0.0", "failures.repair_median_s=600.0",
-                               "timing.step_s=0.000001", "run.days=10.0"])  # fmt: skip
+    p = load_params(
+        overrides=[
+            "elastic.upscale_s=0.0",
+            "elastic.upscale_batch_s=0.0",
+            "failures.repair_sigma=0.0",
+            "failures.repair_median_s=600.0",
+            "timing.step_s=0.000001",
+            "run.days=10.0",
+        ]
+    )
     pause = p.timing.detect_s + p.elastic.downscale_s
     u = 600.0 / (YEAR_S / 64 + 600.0)
     lam = chips / m / YEAR_S * (1 - u)
@@ -171,9 +201,14 @@ def test_a_decoupled_learner_is_an_elastic_job_of_n_over_m_chips():
 
 def test_quorum_k_equals_m_needs_every_learner_up():
     chips, m = 600_000, 4
-    base = load_params(overrides=["elastic.upscale_s=0.0", "run.days=10.0",
-                                  "decoupled.learners=[4]",
-                                  "failures.repair_median_s=1.0"])  # fmt: skip
+    base = load_params(
+        overrides=[
+            "elastic.upscale_s=0.0",
+            "run.days=10.0",
+            "decoupled.learners=[4]",
+            "failures.repair_median_s=1.0",
+        ]
+    )
     pause = base.timing.detect_s + base.elastic.downscale_s
     sync = replace(base, "decoupled", quorum=m)
     per_learner_up = 1 / (1 + chips / m / YEAR_S * pause)
@@ -193,8 +228,13 @@ def test_quorum_k_equals_m_needs_every_learner_up():
 def test_stragglers_and_slow_learners_cost_goodput():
     p = quick(load_params(), chips=(150_000,), seeds=1, days=2.0)
     plain = simulate_cell(p, 150_000, 0)
-    jitter = load_params(overrides=["timing.chip_step_cv=0.02", "decoupled.learner_speed_cv=0.2",
-                                    "decoupled.quorum=2"])  # fmt: skip
+    jitter = load_params(
+        overrides=[
+            "timing.chip_step_cv=0.02",
+            "decoupled.learner_speed_cv=0.2",
+            "decoupled.quorum=2",
+        ]
+    )
     slow = simulate_cell(quick(jitter, chips=(150_000,), seeds=1, days=2.0), 150_000, 0)
     assert slow["dp"].badput["stragglers"] > 0.05  # the max of 150K normals is ~4.5 sigma
     assert slow["decoupled_m16"].goodput < plain["decoupled_m16"].goodput
@@ -218,8 +258,9 @@ def check_paper_table(data: dict) -> None:
         ours = data["table"][system]
         assert len(ours) == 5
         tol = tolerance(system)
-        misses = [(n, o, r) for n, o, r in zip(PAPER_CHIPS, ours, ref, strict=True)
-                  if abs(o - r) > tol]  # fmt: skip
+        misses = [
+            (n, o, r) for n, o, r in zip(PAPER_CHIPS, ours, ref, strict=True) if abs(o - r) > tol
+        ]
         assert not misses, (system, misses)
 
 
@@ -238,8 +279,11 @@ def test_ddiloco_simulate_with_no_arguments_is_the_paper_table(capsys):
 
 
 def test_realistic_restart_times_miss_the_paper_by_far():
-    result = to_json(run_table(quick(load_params(preset="realistic"), seeds=1, days=5.0,
-                                     chips=(150_000, 2_400_000))))  # fmt: skip
+    result = to_json(
+        run_table(
+            quick(load_params(preset="realistic"), seeds=1, days=5.0, chips=(150_000, 2_400_000))
+        )
+    )
     dp, elastic, m16 = (result["table"][s] for s in ("dp", "elastic_dp", "decoupled_m16"))
     assert dp[0] < 30 and elastic[0] < 75  # paper: 72 and 88
     assert m16[0] > 85 and m16[1] > 3 * elastic[1]  # Decoupled keeps most of its advantage
@@ -269,8 +313,10 @@ def test_shipped_configs_are_the_built_in_presets():
 
 
 def test_the_cluster_package_never_imports_torch():
-    code = ("import sys, ddiloco.cluster.table, ddiloco.cluster.bandwidth, ddiloco.cluster.plot; "
-            "assert 'torch' not in sys.modules, 'torch imported'")  # fmt: skip
+    code = (
+        "import sys, ddiloco.cluster.table, ddiloco.cluster.bandwidth, ddiloco.cluster.plot; "
+        "assert 'torch' not in sys.modules, 'torch imported'"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -279,8 +325,22 @@ def test_the_cluster_package_never_imports_torch():
 
 def test_simulate_json_interface(capsys, tmp_path):
     png = tmp_path / "goodput.png"
-    argv = ["simulate", "--chips", "150K", "300000", "--learners", "2", "4", "--seeds", "2",
-            "--days", "1", "--plot", str(png), "--json"]  # fmt: skip
+    argv = [
+        "simulate",
+        "--chips",
+        "150K",
+        "300000",
+        "--learners",
+        "2",
+        "4",
+        "--seeds",
+        "2",
+        "--days",
+        "1",
+        "--plot",
+        str(png),
+        "--json",
+    ]
     assert main(argv) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["chips"] == [150_000, 300_000]

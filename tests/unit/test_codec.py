@@ -516,11 +516,29 @@ def _same_floats(a: torch.Tensor, b: torch.Tensor) -> bool:
 _F32_MAX = 3.4028234663852886e38
 specials_st = st.lists(
     st.sampled_from(
-        [0.0, -0.0, 1e-45, -1e-45, 2.0**-100, -(2.0**-101), 1.1754942e-38, 1e-40, 0.5, -0.5,
-         1.5, -2.5, 3.5, 1e30, -1e30, 1.7e38, -1.7e38, 2.9e38]
+        [
+            0.0,
+            -0.0,
+            1e-45,
+            -1e-45,
+            2.0**-100,
+            -(2.0**-101),
+            1.1754942e-38,
+            1e-40,
+            0.5,
+            -0.5,
+            1.5,
+            -2.5,
+            3.5,
+            1e30,
+            -1e30,
+            1.7e38,
+            -1.7e38,
+            2.9e38,
+        ]
     ),
     max_size=12,
-)  # fmt: skip
+)
 
 
 def _jit_tensor(shape, seed, log_scale, specials, dtype):
@@ -715,8 +733,12 @@ def test_unwritable_numba_cache_only_costs_a_compile(tmp_path):
     env.pop("DDILOCO_NO_JIT", None)
     done = subprocess.run(
         [sys.executable, "-W", "error", "-c", script],
-        env=env, capture_output=True, text=True, timeout=300, cwd=tmp_path,
-    )  # fmt: skip
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=tmp_path,
+    )
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
     assert "Warning" not in done.stderr, done.stderr[-3000:]
 

@@ -25,9 +25,15 @@ SRC = Path(__file__).resolve().parents[2] / "src"
 PACKAGE = SRC / "ddiloco"
 
 CORE_MUST_NOT_IMPORT = (
-    "ddiloco.runtime", "ddiloco.config", "ddiloco.commands", "ddiloco.methods",
-    "ddiloco.strategies", "ddiloco.report", "ddiloco.cluster", "ddiloco.kernels",
-)  # fmt: skip
+    "ddiloco.runtime",
+    "ddiloco.config",
+    "ddiloco.commands",
+    "ddiloco.methods",
+    "ddiloco.strategies",
+    "ddiloco.report",
+    "ddiloco.cluster",
+    "ddiloco.kernels",
+)
 LAZY_IN_CORE = ("ddiloco.kernels",)  # allowed inside a function body (see the docstring)
 RUNTIMES = ("sim", "processes", "ray")  # sibling runtimes: none imports another
 
@@ -115,11 +121,12 @@ def _report(bad: list[Import], rule: str) -> str:
 
 def test_the_core_imports_no_layer_above_it():
     bad = [
-        i for i in IMPORTS
+        i
+        for i in IMPORTS
         if _under(i.module, "ddiloco.core")
         and any(_under(i.target, p) for p in CORE_MUST_NOT_IMPORT)
         and not (i.lazy and any(_under(i.target, p) for p in LAZY_IN_CORE))
-    ]  # fmt: skip
+    ]
     assert not bad, _report(bad, "ddiloco.core imports from a layer above it")
 
 
@@ -128,9 +135,8 @@ def test_runtimes_never_import_each_other(runtime):
     here = f"ddiloco.runtime.{runtime}"
     others = [f"ddiloco.runtime.{r}" for r in RUNTIMES if r != runtime]
     bad = [
-        i for i in IMPORTS
-        if _under(i.module, here) and any(_under(i.target, o) for o in others)
-    ]  # fmt: skip
+        i for i in IMPORTS if _under(i.module, here) and any(_under(i.target, o) for o in others)
+    ]
     assert not bad, _report(bad, f"{here} imports another runtime")
 
 
@@ -167,9 +173,11 @@ def io_uses(source: str, module: str, path: Path) -> list[Import]:
 
 def test_the_core_reads_no_environment_and_opens_no_file():
     bad = [
-        use for name, path, text in MODULES if _under(name, "ddiloco.core")
+        use
+        for name, path, text in MODULES
+        if _under(name, "ddiloco.core")
         for use in io_uses(text, name, path)
-    ]  # fmt: skip
+    ]
     assert not bad, _report(bad, "ddiloco.core reads the environment or opens a file")
 
 
@@ -190,10 +198,13 @@ def test_the_checks_see_every_kind_of_import_and_io():
     path = PACKAGE / "core" / "example.py"
     found = {(i.target, i.lazy) for i in imports_of(source, "ddiloco.core.example", path)}
     assert {
-        ("ddiloco.config", False), ("ddiloco.runtime", False),
-        ("ddiloco.runtime.processes.wire", False), ("ddiloco.report.summary", False),
-        ("torch.nn", True), ("ddiloco.kernels.quantize_jit", True),
-    } <= found  # fmt: skip
+        ("ddiloco.config", False),
+        ("ddiloco.runtime", False),
+        ("ddiloco.runtime.processes.wire", False),
+        ("ddiloco.report.summary", False),
+        ("torch.nn", True),
+        ("ddiloco.kernels.quantize_jit", True),
+    } <= found
     uses = {u.target for u in io_uses(source, "ddiloco.core.example", path)}
     assert uses == {"os.environ", "open(...)", "Path(...)"}
     assert len(MODULES) > 50 and any(_under(i.module, "ddiloco.core") for i in IMPORTS)

@@ -160,17 +160,24 @@ def test_a_new_life_after_a_restart_loses_the_old_one_and_unknown_calls_stay_err
 # What setup.TolerantLedger (the RestartLedger before it moved to the core) wrote for the
 # calls of _scenario: stores written before the move must load, and the format not drift.
 OLD_STATE = {
-    "answers": [[[1, 3, 0], 1, 1, 24, 24, 3]], "merged": [30, 0], "merged_weight": 1.0,
-    "num_fragments": 2, "reserved": [[1, 1, 24]],
+    "answers": [[[1, 3, 0], 1, 1, 24, 24, 3]],
+    "merged": [30, 0],
+    "merged_weight": 1.0,
+    "num_fragments": 2,
+    "reserved": [[1, 1, 24]],
     "since_base": [[0, 0, 10], [0, 1, 40], [1, 0, 24], [1, 1, 24]],
     "steps_since_base": [[0, 0, 1], [0, 1, 4], [1, 0, 3], [1, 1, 3]],
     "tolerant": {
-        "errors": 1, "floor": [[0, 0, 1], [0, 1, 0], [1, 0, 0], [1, 1, 0]],
-        "last_step": [[0, 4, 10], [1, 3, 8]], "lives": [[0, 5], [1, 3]],
+        "errors": 1,
+        "floor": [[0, 0, 1], [0, 1, 0], [1, 0, 0], [1, 1, 0]],
+        "last_step": [[0, 4, 10], [1, 3, 8]],
+        "lives": [[0, 5], [1, 3]],
         "restart": {"lost_rebases": 0, "repushed_open": 0, "rereported": 0, "stale_repushes": 0},
     },
-    "trained_by_learner": [[0, 40], [1, 24]], "trained_tokens": 64, "wasted": {},
-}  # fmt: skip
+    "trained_by_learner": [[0, 40], [1, 24]],
+    "trained_tokens": 64,
+    "wasted": {},
+}
 
 
 def _scenario() -> RestartLedger:

@@ -47,9 +47,12 @@ def test_moe_routes_to_top_k_and_reports_balance_loss():
 
 @pytest.mark.parametrize(
     "kwargs,field",
-    [({"n_embd": 10, "n_head": 3}, "model.n_embd"), ({"n_layer": 0}, "model.n_layer"),
-     ({"n_experts": 2, "top_k": 3}, "model.top_k")],
-)  # fmt: skip
+    [
+        ({"n_embd": 10, "n_head": 3}, "model.n_embd"),
+        ({"n_layer": 0}, "model.n_layer"),
+        ({"n_experts": 2, "top_k": 3}, "model.top_k"),
+    ],
+)
 def test_bad_shapes_name_the_field(kwargs, field):
     with pytest.raises(ConfigError, match=field):
         GPTConfig(**kwargs)

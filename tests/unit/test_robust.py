@@ -56,9 +56,11 @@ class Bench:
     ) -> None:
         plan = build_plan(SPECS, 1, "tensor", sync_every=STEPS)
         cfg = SyncerConfig(
-            RoundConfig(quorum=quorum), "rda", OuterConfig("sgd", lr=1.0),
+            RoundConfig(quorum=quorum),
+            "rda",
+            OuterConfig("sgd", lr=1.0),
             robust if robust is not None else RobustConfig(),
-        )  # fmt: skip
+        )
         self.syncer = SyncerState(plan, _params(), cfg, ledger=ledger)
         self.ledger = ledger
         self.m = learners
@@ -384,8 +386,16 @@ def test_robust_off_is_the_unchecked_merge_and_on_equals_it_for_honest_answers()
     weights = [token_weight(STEPS * TOKENS, STEPS), token_weight(10**12, 1)]
     workspace = torch.empty(sum(t.numel() for t in start))
     norms = [tensor_norms(d) for d in deltas]
-    merge_step(start, make_outer_optimizer(OuterConfig("sgd", lr=1.0)), deltas, weights, norms,
-               "rda", [False, False], workspace)  # fmt: skip
+    merge_step(
+        start,
+        make_outer_optimizer(OuterConfig("sgd", lr=1.0)),
+        deltas,
+        weights,
+        norms,
+        "rda",
+        [False, False],
+        workspace,
+    )
     assert _same(result.tensors, start)
 
 
@@ -402,8 +412,16 @@ def test_a_replay_with_the_recorded_scales_and_counters_gets_the_same_bits():
     weights = [token_weight(a.c_tokens, a.c_steps) for a in result.round.answers]
     replayed = [scaled(d, s) if s < 1.0 else d for d, s in zip(deltas, result.scales, strict=True)]
     workspace = torch.empty(sum(t.numel() for t in start))
-    merge_step(start, make_outer_optimizer(OuterConfig("sgd", lr=1.0)), replayed, weights,
-               [tensor_norms(d) for d in replayed], "rda", [False, False], workspace)  # fmt: skip
+    merge_step(
+        start,
+        make_outer_optimizer(OuterConfig("sgd", lr=1.0)),
+        replayed,
+        weights,
+        [tensor_norms(d) for d in replayed],
+        "rda",
+        [False, False],
+        workspace,
+    )
     assert _same(result.tensors, start)
 
 
@@ -411,8 +429,14 @@ def test_a_restored_fragment_keeps_its_window():
     bench = Bench(ledger=TokenLedger(1))
     bench.honest_round()
     syncer, other = bench.syncer, Bench().syncer
-    state = (syncer.fragments[0], syncer.outer[0].state_dict(), syncer.versions[0],
-             syncer.policy.next_round_id[0], [], {})  # fmt: skip
+    state = (
+        syncer.fragments[0],
+        syncer.outer[0].state_dict(),
+        syncer.versions[0],
+        syncer.policy.next_round_id[0],
+        [],
+        {},
+    )
     other.restore_fragment(0, *state, norm_window=list(syncer.norm_windows[0].values))
     assert list(other.norm_windows[0].values) == list(syncer.norm_windows[0].values)
     assert other.param_norms[0] == syncer.param_norms[0]

@@ -127,8 +127,12 @@ WRITER = textwrap.dedent(
 def test_a_writer_killed_at_a_random_moment_leaves_a_consistent_record(tmp_path):
     env = {**os.environ, "PYTHONPATH": "src"}
     for attempt in range(3):
-        proc = subprocess.Popen([sys.executable, "-c", WRITER, str(tmp_path)], env=env,
-                                stdout=subprocess.PIPE, text=True)  # fmt: skip
+        proc = subprocess.Popen(
+            [sys.executable, "-c", WRITER, str(tmp_path)],
+            env=env,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         assert proc.stdout is not None and proc.stdout.readline().strip() == "go"
         time.sleep(0.2 + 0.13 * attempt)
         proc.send_signal(signal.SIGKILL)
@@ -137,8 +141,9 @@ def test_a_writer_killed_at_a_random_moment_leaves_a_consistent_record(tmp_path)
         v = rec.version
         assert v >= 1
         assert all(torch.equal(t, torch.full_like(t, float(v))) for t in rec.values)
-        assert all(torch.equal(b, 2 * t) for b, t in zip(rec.outer["buffers"], rec.values,
-                                                          strict=True))  # fmt: skip
+        assert all(
+            torch.equal(b, 2 * t) for b, t in zip(rec.outer["buffers"], rec.values, strict=True)
+        )
         assert rec.applied == [(0, 1, v)] and rec.merged_base == {(0, 1): v}
 
 

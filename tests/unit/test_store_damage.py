@@ -33,8 +33,9 @@ MERGES = ((0, 1), (1, 1), (0, 2), (2, 1), (1, 2))  # fragment 3 never merges: it
 def record(p: int, v: int) -> FragmentRecord:
     values = [torch.full((3, 2), float(10 * p + v)), torch.arange(4.0) + v]
     outer = {"steps": v, "buffers": [t * 2 for t in values]}
-    return FragmentRecord(p, v, v + 1, v, 64 * v, values, outer, [(0, 1, v)], {(0, 1): v},
-                          {"merges": v})  # fmt: skip
+    return FragmentRecord(
+        p, v, v + 1, v, 64 * v, values, outer, [(0, 1, v)], {(0, 1): v}, {"merges": v}
+    )
 
 
 def entry(p: int, v: int) -> tuple[dict[str, int | list[int]], list[bytes]]:
@@ -95,8 +96,11 @@ def test_a_deleted_fragment_file_is_refused_not_reset(tmp_path):
 def test_a_renamed_fragment_file_is_refused(tmp_path, to):
     build(tmp_path)
     (tmp_path / "fragment-0002.bin").rename(tmp_path / to)
-    refused(tmp_path, f"{tmp_path / 'fragment-0002.bin'}: missing",
-            f"{tmp_path / to}: mislabelled: its header says fragment 2")  # fmt: skip
+    refused(
+        tmp_path,
+        f"{tmp_path / 'fragment-0002.bin'}: missing",
+        f"{tmp_path / to}: mislabelled: its header says fragment 2",
+    )
 
 
 def test_a_file_whose_header_names_another_fragment_is_refused(tmp_path):
@@ -364,8 +368,9 @@ def test_loose_permissions_are_tightened_and_said_so(tmp_path):
 
 
 def test_the_fingerprint_tells_runs_apart_and_refuses_a_store_of_another_plan(tmp_path):
-    four, two = (RunSetup(load_config(None, ["model='gpt-tiny'", f"sync.fragments={n}"]))
-                 for n in (4, 2))  # fmt: skip
+    four, two = (
+        RunSetup(load_config(None, ["model='gpt-tiny'", f"sync.fragments={n}"])) for n in (4, 2)
+    )
     again = RunSetup(load_config(None, ["model='gpt-tiny'", "sync.fragments=4"]))
     reseeded = RunSetup(load_config(None, ["model='gpt-tiny'", "sync.fragments=4", "seed=3"]))
     assert fingerprint_of(four) == fingerprint_of(again)

@@ -17,9 +17,25 @@ from ddiloco.runtime.processes.launcher import free_port
 from ddiloco.runtime.processes.syncer_service import SyncerService
 from ddiloco.runtime.run import RunSetup
 
-FIELDS = ["inc", "step", "versions", "peer", "tokens", "secs", "rebased", "learner",
-          "incarnation", "seq", "fragment", "round_id", "base_version", "local_step",
-          "c_steps", "c_tokens", "key"]  # fmt: skip
+FIELDS = [
+    "inc",
+    "step",
+    "versions",
+    "peer",
+    "tokens",
+    "secs",
+    "rebased",
+    "learner",
+    "incarnation",
+    "seq",
+    "fragment",
+    "round_id",
+    "base_version",
+    "local_step",
+    "c_steps",
+    "c_tokens",
+    "key",
+]
 SCALARS = st.one_of(
     st.none(),
     st.booleans(),
@@ -40,12 +56,21 @@ METAS = st.dictionaries(st.sampled_from(FIELDS) | st.text(max_size=8), VALUES, m
 
 @pytest.fixture(scope="module")
 def service(tmp_path_factory):
-    config = load_config(None, ["model='gpt-tiny'", "train.learners=2", "sync.fragments=2",
-                                "sync.sync_every=2", "data.eval_batches=1"])  # fmt: skip
+    config = load_config(
+        None,
+        [
+            "model='gpt-tiny'",
+            "train.learners=2",
+            "sync.fragments=2",
+            "sync.sync_every=2",
+            "data.eval_batches=1",
+        ],
+    )
     store = tmp_path_factory.mktemp("store")
     events = Events(time.time(), io.StringIO())
-    svc = SyncerService(RunSetup(config), f"127.0.0.1:{free_port('127.0.0.1')}", "r",
-                        b"s" * 32, store, events)  # fmt: skip
+    svc = SyncerService(
+        RunSetup(config), f"127.0.0.1:{free_port('127.0.0.1')}", "r", b"s" * 32, store, events
+    )
     yield svc
     svc.sock.close(0)
     svc.gate.close()
@@ -55,8 +80,12 @@ def service(tmp_path_factory):
 @settings(
     max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
-@given(kind=st.sampled_from(["hello", "progress", "answer", "peers", "inline", "bye", "what"]),
-       meta=METAS, payload=st.binary(max_size=64), m=st.integers(0, 1))  # fmt: skip
+@given(
+    kind=st.sampled_from(["hello", "progress", "answer", "peers", "inline", "bye", "what"]),
+    meta=METAS,
+    payload=st.binary(max_size=64),
+    m=st.integers(0, 1),
+)
 def test_any_metadata_is_refused_or_handled_never_raised(service, kind, meta, payload, m):
     service.sessions[m] = meta.get("inc") if isinstance(meta.get("inc"), int) else 5
     before = sum(service.counts.values())

@@ -41,8 +41,9 @@ def refused(receiver: Wire, frame, reason: str) -> WireError:
 def test_a_frame_round_trips_with_every_bound_field():
     tx, rx = pair()
     payload = encode_tensors([torch.randn(3, 4)], CodecSpec("fp32"))
-    msg = rx.decode(tx.encode("answer", learner=2, fragment=1, round=5, meta={"a": 1},
-                              payload=payload))  # fmt: skip
+    msg = rx.decode(
+        tx.encode("answer", learner=2, fragment=1, round=5, meta={"a": 1}, payload=payload)
+    )
     h = msg.header
     assert (h.run, h.sender, h.session, h.kind) == ("run-1", "L0", 7, "answer")
     assert (h.learner, h.fragment, h.round, h.seq, h.meta) == (2, 1, 5, 0, {"a": 1})
@@ -61,8 +62,11 @@ def test_a_flipped_bit_is_refused_as_corrupted(where):
     tx, rx = pair()
     parts = tx.encode("answer", payload=b"\x01" * 100)
     blob = joined(parts)
-    index = {"header": PREFIX.size + 3, "payload": len(parts[0]) + 50,
-             "trailer-digest": len(blob) - 60}[where]  # fmt: skip
+    index = {
+        "header": PREFIX.size + 3,
+        "payload": len(parts[0]) + 50,
+        "trailer-digest": len(blob) - 60,
+    }[where]
     blob[index] ^= 0x10
     err = refused(rx, blob, "checksum")
     assert "digest" in str(err)

@@ -67,8 +67,9 @@ def test_each_fault_damages_a_frame_the_way_the_wire_then_refuses(spec, reason, 
 
 def test_the_same_seed_makes_the_same_decisions():
     def decisions(seed: int) -> list[int]:
-        proxy = FaultProxy("127.0.0.1:0", "127.0.0.1:1", Faults.parse("drop=0.5"), seed=seed,
-                           **AUTH)  # fmt: skip
+        proxy = FaultProxy(
+            "127.0.0.1:0", "127.0.0.1:1", Faults.parse("drop=0.5"), seed=seed, **AUTH
+        )
         try:
             return [len(proxy.injure([b"a", b"b", b"c"])) for _ in range(50)]
         finally:
@@ -126,8 +127,11 @@ def test_a_bad_link_command_is_refused_with_a_clear_message(line, message):
 def test_the_control_channel_hands_on_good_commands_and_the_errors_of_bad_ones():
     proxy = FaultProxy("127.0.0.1:0", "127.0.0.1:1", Faults(), **AUTH)
     try:
-        stream = io.BytesIO(b'{"link": 1, "cut_seconds": 2}\n\n{"link": 1}\n'
-                            + b"y" * 5000 + b'\n{"link": 0, "factor": 3}')  # fmt: skip
+        stream = io.BytesIO(
+            b'{"link": 1, "cut_seconds": 2}\n\n{"link": 1}\n'
+            + b"y" * 5000
+            + b'\n{"link": 0, "factor": 3}'
+        )
         proxy.read_commands(stream)
         got = []
         while not proxy.commands.empty():

@@ -14,9 +14,11 @@ from ddiloco.trainer import Trainer
 
 
 def test_plain_values_and_tensors_of_any_dtype_and_rank_round_trip():
-    tree = {"a": [torch.tensor(3.5), torch.arange(6).view(2, 3), torch.zeros(0, 4)],
-            "b": (1, 0.5, None, "x", True), 7: {"bf16": torch.ones(3, dtype=torch.bfloat16),
-                                                "mask": torch.tensor([True, False])}}  # fmt: skip
+    tree = {
+        "a": [torch.tensor(3.5), torch.arange(6).view(2, 3), torch.zeros(0, 4)],
+        "b": (1, 0.5, None, "x", True),
+        7: {"bf16": torch.ones(3, dtype=torch.bfloat16), "mask": torch.tensor([True, False])},
+    }
     back = unpack_tree(pack_tree(tree))
     assert back["b"] == (1, 0.5, None, "x", True)
     assert torch.equal(back["a"][0], tree["a"][0]) and back["a"][0].dim() == 0

@@ -71,12 +71,23 @@ class ChaosGenerators:
     scavenge_stay: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("mtbi_hours", "recovery_seconds", "recovery_sigma", "horizon_seconds",
-                     "scavenge_join_at", "scavenge_stagger", "scavenge_stay"):  # fmt: skip
+        for name in (
+            "mtbi_hours",
+            "recovery_seconds",
+            "recovery_sigma",
+            "horizon_seconds",
+            "scavenge_join_at",
+            "scavenge_stagger",
+            "scavenge_stay",
+        ):
             value = getattr(self, name)
             require(value >= 0, f"chaos_gen.{name}", value, "must be >= 0")
-        require(self.chips_per_learner >= 1, "chaos_gen.chips_per_learner",
-                self.chips_per_learner, "must be >= 1")  # fmt: skip
+        require(
+            self.chips_per_learner >= 1,
+            "chaos_gen.chips_per_learner",
+            self.chips_per_learner,
+            "must be >= 1",
+        )
         require(self.time_scale > 0, "chaos_gen.time_scale", self.time_scale, "must be > 0")
 
     def crash_rate(self) -> float:

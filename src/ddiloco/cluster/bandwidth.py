@@ -69,13 +69,21 @@ class BandwidthQuery:
             value = getattr(self, name)
             require(value > 0 and math.isfinite(value), name, value, "must be > 0")
         require(0 < self.utilization < 1, "utilization", self.utilization, "must be in (0, 1)")
-        require(self.datacenters >= 2, "datacenters", self.datacenters,
-                "must be >= 2 (WAN traffic is between datacenters)")  # fmt: skip
+        require(
+            self.datacenters >= 2,
+            "datacenters",
+            self.datacenters,
+            "must be >= 2 (WAN traffic is between datacenters)",
+        )
         require(self.fragments >= 1, "fragments", self.fragments, "must be >= 1")
         require(self.overlap >= 0, "overlap", self.overlap, "must be >= 0")
         require(self.inner_steps >= 0, "inner_steps", self.inner_steps, "must be >= 1 (0: P)")
-        require(0 <= self.backward_fraction <= 1, "backward_fraction", self.backward_fraction,
-                "must be in [0, 1]")  # fmt: skip
+        require(
+            0 <= self.backward_fraction <= 1,
+            "backward_fraction",
+            self.backward_fraction,
+            "must be in [0, 1]",
+        )
 
 
 @dataclass(frozen=True)

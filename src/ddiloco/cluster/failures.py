@@ -40,9 +40,13 @@ class FailureTrace:
         keep = (self.domain >= first) & (self.domain < stop)
         chips = round(self.chips * (stop - first) / self.domains)
         return FailureTrace(
-            self.time[keep], self.domain[keep] - first, self.repaired[keep], stop - first,
-            chips, self.horizon_s,
-        )  # fmt: skip
+            self.time[keep],
+            self.domain[keep] - first,
+            self.repaired[keep],
+            stop - first,
+            chips,
+            self.horizon_s,
+        )
 
 
 def domain_count(chips: int, domain_chips: int) -> int:

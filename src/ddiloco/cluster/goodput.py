@@ -198,9 +198,14 @@ def elastic_job(trace: FailureTrace, p: ClusterParams, rng: np.random.Generator)
     up = _durations(rng, n + 1, 0.0, e.upscale_s, t.time_sigma)
     rep_sorted = np.sort(trace.repaired)
     pauses = pause_chain(
-        trace.time.tolist(), down.tolist(), rep_sorted.tolist(), up.tolist(),
-        e.upscale_batch_s, e.rejoin_in_downscale, horizon,
-    )  # fmt: skip
+        trace.time.tolist(),
+        down.tolist(),
+        rep_sorted.tolist(),
+        up.tolist(),
+        e.upscale_batch_s,
+        e.rejoin_in_downscale,
+        horizon,
+    )
     # Each outage keeps its domain out from its start until the first eligible
     # reconfiguration that starts after its repair (or the end of the run).
     eligible = pauses.start if e.rejoin_in_downscale else pauses.start[pauses.upscale]

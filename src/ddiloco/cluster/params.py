@@ -63,10 +63,18 @@ class Failures:
         _positive(self, "failures", ("mtbi_hours", "repair_median_s", "weibull_shape"))
         _non_negative(self, "failures", ("repair_sigma", "initial_age_hours"))
         require(self.domain_chips >= 1, "failures.domain_chips", self.domain_chips, ">= 1")
-        require(0.0 <= self.correlated_probability <= 1.0, "failures.correlated_probability",
-                self.correlated_probability, "must be in [0, 1]")  # fmt: skip
-        require(self.correlated_domains >= 1, "failures.correlated_domains",
-                self.correlated_domains, "must be >= 1")  # fmt: skip
+        require(
+            0.0 <= self.correlated_probability <= 1.0,
+            "failures.correlated_probability",
+            self.correlated_probability,
+            "must be in [0, 1]",
+        )
+        require(
+            self.correlated_domains >= 1,
+            "failures.correlated_domains",
+            self.correlated_domains,
+            "must be >= 1",
+        )
 
 
 @dataclass(frozen=True)
@@ -106,8 +114,9 @@ class DataParallel:
     checkpoint_cost_s: float = 0.0
 
     def __post_init__(self) -> None:
-        _non_negative(self, "dp", ("replace_s", "restart_s", "checkpoint_interval_s",
-                                   "checkpoint_cost_s"))  # fmt: skip
+        _non_negative(
+            self, "dp", ("replace_s", "restart_s", "checkpoint_interval_s", "checkpoint_cost_s")
+        )
 
 
 @dataclass(frozen=True)
@@ -155,10 +164,18 @@ class Decoupled:
             require(m >= 1, "decoupled.learners", m, "every M must be >= 1")
         require(self.quorum >= 1, "decoupled.quorum", self.quorum, "must be >= 1")
         smallest = min(self.learners)
-        require(self.quorum <= smallest, "decoupled.quorum", self.quorum,
-                f"K must be <= M for every M (smallest M = {smallest})")  # fmt: skip
-        require(self.recovery in DECOUPLED_RECOVERY, "decoupled.recovery", self.recovery,
-                f"known: {', '.join(DECOUPLED_RECOVERY)}")  # fmt: skip
+        require(
+            self.quorum <= smallest,
+            "decoupled.quorum",
+            self.quorum,
+            f"K must be <= M for every M (smallest M = {smallest})",
+        )
+        require(
+            self.recovery in DECOUPLED_RECOVERY,
+            "decoupled.recovery",
+            self.recovery,
+            f"known: {', '.join(DECOUPLED_RECOVERY)}",
+        )
         _non_negative(self, "decoupled", ("peer_copy_s", "learner_speed_cv"))
 
 
@@ -194,9 +211,13 @@ class ClusterParams:
     def __post_init__(self) -> None:
         for n in self.run.chips:
             for m in self.decoupled.learners:
-                require(n >= m * self.failures.domain_chips, "run.chips", n,
-                        f"M={m} learners need at least one failure domain of "
-                        f"{self.failures.domain_chips} chips each")  # fmt: skip
+                require(
+                    n >= m * self.failures.domain_chips,
+                    "run.chips",
+                    n,
+                    f"M={m} learners need at least one failure domain of "
+                    f"{self.failures.domain_chips} chips each",
+                )
 
     @property
     def horizon_s(self) -> float:

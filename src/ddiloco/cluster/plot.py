@@ -23,12 +23,30 @@ def plot_table(result: TableResult, path: str | Path, title: str = "") -> Path:
         color = f"C{i}"
         ours = [100 * c.mean for c in cells]
         err = [100 * c.ci95 for c in cells]
-        ax.errorbar(chips, ours, yerr=err, color=color, marker="o", ms=4, lw=1.6,
-                    capsize=3, label=f"{system} (ours)")  # fmt: skip
+        ax.errorbar(
+            chips,
+            ours,
+            yerr=err,
+            color=color,
+            marker="o",
+            ms=4,
+            lw=1.6,
+            capsize=3,
+            label=f"{system} (ours)",
+        )
         ref = [(n, v) for n in chips if (v := paper_value(system, n)) is not None]
         if ref:
-            ax.plot([n for n, _ in ref], [v for _, v in ref], color=color, ls="--", lw=1,
-                    marker="o", mfc="none", ms=8, label=f"{system} (paper)")  # fmt: skip
+            ax.plot(
+                [n for n, _ in ref],
+                [v for _, v in ref],
+                color=color,
+                ls="--",
+                lw=1,
+                marker="o",
+                mfc="none",
+                ms=8,
+                label=f"{system} (paper)",
+            )
     ax.set_xscale("log")
     ax.set_xticks(chips)
     ax.set_xticklabels([f"{n / 1e6:g}M" if n >= 1e6 else f"{n / 1e3:g}K" for n in chips])
@@ -38,8 +56,11 @@ def plot_table(result: TableResult, path: str | Path, title: str = "") -> Path:
     ax.set_ylim(0, 101)
     ax.grid(True, alpha=0.3)
     p = result.params
-    ax.set_title(title or f"goodput vs cluster size (MTBI {p.failures.mtbi_hours:g} h/chip, "
-                          f"{p.run.seeds} seeds x {p.run.days:g} days)")  # fmt: skip
+    ax.set_title(
+        title
+        or f"goodput vs cluster size (MTBI {p.failures.mtbi_hours:g} h/chip, "
+        f"{p.run.seeds} seeds x {p.run.days:g} days)"
+    )
     ax.legend(fontsize=7, ncol=2, loc="lower left")
     fig.tight_layout()
     out = Path(path)

@@ -24,9 +24,38 @@ from ddiloco.cluster.params import (
 )
 
 # Two-sided 95% Student t quantiles by degrees of freedom (1..30); beyond: 1.96.
-_T95 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179,
-        2.160, 2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064,
-        2.060, 2.056, 2.052, 2.048, 2.045, 2.042)  # fmt: skip
+_T95 = (
+    12.706,
+    4.303,
+    3.182,
+    2.776,
+    2.571,
+    2.447,
+    2.365,
+    2.306,
+    2.262,
+    2.228,
+    2.201,
+    2.179,
+    2.160,
+    2.145,
+    2.131,
+    2.120,
+    2.110,
+    2.101,
+    2.093,
+    2.086,
+    2.080,
+    2.074,
+    2.069,
+    2.064,
+    2.060,
+    2.056,
+    2.052,
+    2.048,
+    2.045,
+    2.042,
+)
 
 
 def t95(dof: int) -> float:
@@ -201,14 +230,18 @@ def render(result: TableResult) -> str:
         verdicts = [f"{s} {w:.1f} (tol {tolerance(s):g})" for s, w in worst.items()]
         lines += ["", "largest |ours − paper| per row: " + ", ".join(verdicts)]
     lines += ["", "uptime (%) ±95% CI: fraction of wall time the system as a whole advances"]
-    up_rows = [[s] + [f"{100 * c.uptime_mean:.1f}±{100 * ci95(c.uptime):.1f}" for c in cells]
-               for s, cells in result.cells.items()]  # fmt: skip
+    up_rows = [
+        [s] + [f"{100 * c.uptime_mean:.1f}±{100 * ci95(c.uptime):.1f}" for c in cells]
+        for s, cells in result.cells.items()
+    ]
     lines.append(_table(head, up_rows))
     big = result.chips[-1]
     lines += ["", f"badput (%) by cause at {_chips_label(big)} chips"]
     causes = sorted({c for cells in result.cells.values() for c in cells[-1].badput})
-    bad_rows = [[s] + [f"{100 * cells[-1].badput.get(c, 0.0):.1f}" for c in causes]
-                for s, cells in result.cells.items()]  # fmt: skip
+    bad_rows = [
+        [s] + [f"{100 * cells[-1].badput.get(c, 0.0):.1f}" for c in causes]
+        for s, cells in result.cells.items()
+    ]
     lines.append(_table(["system", *causes], bad_rows))
     lines += ["", f"simulated in {result.seconds:.1f} s"]
     return "\n".join(lines)
@@ -217,7 +250,11 @@ def render(result: TableResult) -> str:
 def _table(header: list[str], rows: list[list[str]]) -> str:
     cells = [header, *rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(header))]
-    out = ["  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in
-                     enumerate(zip(r, widths, strict=True))) for r in cells]  # fmt: skip
+    out = [
+        "  ".join(
+            c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True))
+        )
+        for r in cells
+    ]
     out.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(out)

@@ -19,18 +19,28 @@ INT4_BITS = 4.0
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--method", help=f"one of {', '.join(METHODS)} (default: compare all)")
     parser.add_argument("--params", type=float, default=5e9, help="model parameters (5e9)")
-    parser.add_argument("--bits", type=float, default=16.0,
-                        help="bits per value on the wire (16 = bf16; int4: 4, or 4.25 with a "
-                        "32-bit scale per 128 values)")  # fmt: skip
+    parser.add_argument(
+        "--bits",
+        type=float,
+        default=16.0,
+        help="bits per value on the wire (16 = bf16; int4: 4, or 4.25 with a "
+        "32-bit scale per 128 values)",
+    )
     parser.add_argument("--step-time", type=float, default=1.0, help="seconds per step (1)")
-    parser.add_argument("--utilization", type=float, default=0.9,
-                        help="target compute utilization, 0..1 (0.9)")  # fmt: skip
+    parser.add_argument(
+        "--utilization", type=float, default=0.9, help="target compute utilization, 0..1 (0.9)"
+    )
     parser.add_argument("--datacenters", type=int, default=2, help="datacenters spanned (2)")
     parser.add_argument("--fragments", type=int, default=24, help="P (24)")
     parser.add_argument("--overlap", type=float, default=2.0, help="τ in steps (2)")
-    parser.add_argument("--inner-steps", type=int, default=0, metavar="H",
-                        help="H: DiLoCo's sync interval; streaming/decoupled sync each fragment "
-                        "every H steps (default: 100 for DiLoCo, P for the others)")  # fmt: skip
+    parser.add_argument(
+        "--inner-steps",
+        type=int,
+        default=0,
+        metavar="H",
+        help="H: DiLoCo's sync interval; streaming/decoupled sync each fragment "
+        "every H steps (default: 100 for DiLoCo, P for the others)",
+    )
     parser.add_argument(
         "--backward-fraction",
         type=float,
@@ -46,9 +56,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--grid", action="store_true", help="snap to the log-spaced grid the published tables used"
     )
-    parser.add_argument("--sustained", action="store_true",
-                        help="also require the link to keep up on average when transfers "
-                        "overlap (the published figures leave this out)")  # fmt: skip
+    parser.add_argument(
+        "--sustained",
+        action="store_true",
+        help="also require the link to keep up on average when transfers "
+        "overlap (the published figures leave this out)",
+    )
     parser.add_argument("--json", action="store_true", help="print a JSON object")
 
 
@@ -97,9 +110,15 @@ def render(rows: list[dict[str, Any]]) -> str:
         label = r.get("label", r["method"])
         paper = PAPER_BANDWIDTH.get(label.replace(" ", "_"))
         ratio = r["times_less_than_dp"] if dp is None else dp / r["gbit_per_s"]
-        line = [label, f"{r['gbit_per_s']:.4g}", f"{r['raw_gbit_per_s']:.4g}", f"{ratio:.1f}",
-                f"{r['gbit_per_transfer']:.3g}", f"{r['transfer_period_s']:.3g}",
-                "" if paper is None else f"{paper:g}"]  # fmt: skip
+        line = [
+            label,
+            f"{r['gbit_per_s']:.4g}",
+            f"{r['raw_gbit_per_s']:.4g}",
+            f"{ratio:.1f}",
+            f"{r['gbit_per_transfer']:.3g}",
+            f"{r['transfer_period_s']:.3g}",
+            "" if paper is None else f"{paper:g}",
+        ]
         if "utilization_at_bandwidth" in r:
             line.append(f"{100 * r['utilization_at_bandwidth']:.1f}%")
         body.append(line)

@@ -34,11 +34,16 @@ def parse_chips(text: str) -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_config_arguments(parser, "a TOML parameter file (default: the paper set, "
-                         "configs/cluster_paper.toml)", example="elastic.upscale_s=60")  # fmt: skip
-    parser.add_argument("--realistic", action="store_true",
-                        help="published-order restart/reconfiguration times "
-                        "(configs/cluster_realistic.toml)")  # fmt: skip
+    add_config_arguments(
+        parser,
+        "a TOML parameter file (default: the paper set, configs/cluster_paper.toml)",
+        example="elastic.upscale_s=60",
+    )
+    parser.add_argument(
+        "--realistic",
+        action="store_true",
+        help="published-order restart/reconfiguration times (configs/cluster_realistic.toml)",
+    )
     parser.add_argument(
         "--chips",
         nargs="+",

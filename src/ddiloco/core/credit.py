@@ -71,8 +71,13 @@ class StepBudget:
                 return 0, 0
             last = max(0, step - max(1, -(-tokens // tokens_per_step)))  # type: ignore[operator]
             state.step = last
-        steps, credited = credit_progress(last, step, tokens, tokens_per_step,  # type: ignore[arg-type]
-                                          state.allowance)  # fmt: skip
+        steps, credited = credit_progress(
+            last,
+            step,
+            tokens,
+            tokens_per_step,  # type: ignore[arg-type]
+            state.allowance,
+        )
         if steps:
             state.allowance -= steps
             inst = steps / max(elapsed, 1e-3)

@@ -170,8 +170,12 @@ class TokenLedger:
         """Replace this ledger's content by ``state`` (from :meth:`to_state`); the state must
         be for the same number of fragments and balanced, or ConfigError is raised."""
         p = self.num_fragments
-        require(state.get("num_fragments") == p, "ledger.num_fragments",
-                state.get("num_fragments"), f"this run has {p} fragments")  # fmt: skip
+        require(
+            state.get("num_fragments") == p,
+            "ledger.num_fragments",
+            state.get("num_fragments"),
+            f"this run has {p} fragments",
+        )
         try:
             merged = [_count(v) for v in state["merged"]]
             wasted = {str(r): [_count(v) for v in vals] for r, vals in state["wasted"].items()}
@@ -184,8 +188,12 @@ class TokenLedger:
             weight = float(state["merged_weight"])
         except (KeyError, TypeError, ValueError) as exc:
             raise ConfigError("ledger", type(exc).__name__, f"malformed state: {exc}") from None
-        require(len(merged) == p and all(len(v) == p for v in wasted.values()),
-                "ledger", "lengths", f"need {p} values per fragment")  # fmt: skip
+        require(
+            len(merged) == p and all(len(v) == p for v in wasted.values()),
+            "ledger",
+            "lengths",
+            f"need {p} values per fragment",
+        )
         self.trained_tokens = trained
         self.trained_by_learner = defaultdict(int, by_learner)
         self._since_base = defaultdict(int, since)

@@ -53,8 +53,12 @@ class RestartLedger:
         self.lives: dict[int, int] = {}  # learner -> incarnation the ledger's state is of
         self.floor: dict[tuple[int, int], int] = {}  # base version of the last counted rebase
         self.last_step: dict[int, tuple[int, int]] = {}  # learner -> (step, tokens per step)
-        self.restart: dict[str, int] = {"rereported": 0, "lost_rebases": 0,
-                                        "stale_repushes": 0, "repushed_open": 0}  # fmt: skip
+        self.restart: dict[str, int] = {
+            "rereported": 0,
+            "lost_rebases": 0,
+            "stale_repushes": 0,
+            "repushed_open": 0,
+        }
         self.spans_restart: set[int] = set()  # lives restored from a snapshot
         self.unconfirmed: set[int] = set()  # ... not yet heard from (no hello yet)
         self.gap_check: set[int] = set()  # ... whose first progress report is still due
@@ -276,5 +280,6 @@ class RestartLedger:
         self.spans_restart = set(self.lives)
         self.unconfirmed = set(self.lives)
         self.gap_check = set(self.lives)
-        self.restored_open = {tuple(a[0]) if isinstance(a[0], list) else a[0]
-                              for a in state["answers"]}  # fmt: skip
+        self.restored_open = {
+            tuple(a[0]) if isinstance(a[0], list) else a[0] for a in state["answers"]
+        }

@@ -58,14 +58,26 @@ class RobustConfig:
 
     def __post_init__(self) -> None:
         require(self.norm_clip >= 1.0, "norm_clip", self.norm_clip, "must be >= 1")
-        require(self.norm_refuse >= self.norm_clip, "norm_refuse", self.norm_refuse,
-                f"must be >= norm_clip ({self.norm_clip})")  # fmt: skip
+        require(
+            self.norm_refuse >= self.norm_clip,
+            "norm_refuse",
+            self.norm_refuse,
+            f"must be >= norm_clip ({self.norm_clip})",
+        )
         require(math.isfinite(self.norm_refuse), "norm_refuse", self.norm_refuse, "must be finite")
         require(self.norm_window >= 1, "norm_window", self.norm_window, "must be >= 1")
-        require(1 <= self.norm_warmup <= self.norm_window, "norm_warmup", self.norm_warmup,
-                f"must be in [1, norm_window = {self.norm_window}]")  # fmt: skip
-        require(self.norm_absurd > 0.0 and math.isfinite(self.norm_absurd), "norm_absurd",
-                self.norm_absurd, "must be finite and > 0")  # fmt: skip
+        require(
+            1 <= self.norm_warmup <= self.norm_window,
+            "norm_warmup",
+            self.norm_warmup,
+            f"must be in [1, norm_window = {self.norm_window}]",
+        )
+        require(
+            self.norm_absurd > 0.0 and math.isfinite(self.norm_absurd),
+            "norm_absurd",
+            self.norm_absurd,
+            "must be finite and > 0",
+        )
 
 
 # -- weights --------------------------------------------------------------------------------

@@ -91,9 +91,14 @@ def merge_step(
     if sum(weights) <= 0.0:
         return 0.0
     merged = merge(
-        deltas, weights, rule, plain, norms=norms, out=workspace_views(workspace, fragment),
+        deltas,
+        weights,
+        rule,
+        plain,
+        norms=norms,
+        out=workspace_views(workspace, fragment),
         scale=-1.0,  # outer gradient = Theta_base - theta = -delta
-    )  # fmt: skip
+    )
     norm = math.sqrt(sum(n * n for n in tensor_norms(merged)))
     outer.step(fragment, merged)  # may consume ``merged``: the norm is taken first
     return norm
@@ -118,12 +123,18 @@ class MergeResult:
         """The ``round`` record every runtime writes to metrics.jsonl (without its time)."""
         rnd = self.round
         return {
-            "kind": "round", "fragment": self.fragment, "version": self.version,
-            "opened_at": rnd.opened_at, "quorum_at": rnd.quorum_at, "grace": rnd.grace,
-            "answers": len(rnd.answers), "asked": rnd.asked,
+            "kind": "round",
+            "fragment": self.fragment,
+            "version": self.version,
+            "opened_at": rnd.opened_at,
+            "quorum_at": rnd.quorum_at,
+            "grace": rnd.grace,
+            "answers": len(rnd.answers),
+            "asked": rnd.asked,
             "weights": {str(k): v for k, v in sorted(self.weights.items())},
-            "update_norm": self.update_norm, "broadcast_bytes": broadcast_bytes,
-        }  # fmt: skip
+            "update_norm": self.update_norm,
+            "broadcast_bytes": broadcast_bytes,
+        }
 
 
 class SyncerState:
@@ -186,8 +197,9 @@ class SyncerState:
             norms = tensor_norms(delta)  # while the data is hot in cache
             p, length = meta.fragment, answer_norm(norms)
             rate = pace(length, steps)
-            why = refusal(self.config.robust, length, steps, self.param_norms[p],
-                          self.norm_windows[p])  # fmt: skip
+            why = refusal(
+                self.config.robust, length, steps, self.param_norms[p], self.norm_windows[p]
+            )
             if why is not None:
                 self.policy.refuse(meta)
                 self._count(Verdict.OUTLIER.value)
@@ -276,9 +288,15 @@ class SyncerState:
         for a, w in zip(closed.answers, weights, strict=True):
             per_learner[a.learner] = per_learner.get(a.learner, 0.0) + w
         update_norm = merge_step(
-            self.fragments[p], self.outer[p], deltas, weights, norms,
-            self.config.merge_rule, self.plain_mask[p], self._workspace,
-        )  # fmt: skip
+            self.fragments[p],
+            self.outer[p],
+            deltas,
+            weights,
+            norms,
+            self.config.merge_rule,
+            self.plain_mask[p],
+            self._workspace,
+        )
         version = self.policy.on_merged(closed)
         for a, w in zip(closed.answers, weights, strict=True):
             if self.ledger is not None:
@@ -286,8 +304,9 @@ class SyncerState:
         self._count("merged_rounds")
         if self.config.robust.enabled:
             self.param_norms[p] = answer_norm(tensor_norms(self.fragments[p]))
-        return MergeResult(p, version, self.fragments[p], closed, per_learner, update_norm,
-                           tuple(scales))  # fmt: skip
+        return MergeResult(
+            p, version, self.fragments[p], closed, per_learner, update_norm, tuple(scales)
+        )
 
     def _clip(
         self,
@@ -329,8 +348,12 @@ class SyncerState:
         the norms of recent merges (``norm_windows[p].values``; empty: the bound warms up
         again)."""
         shapes = [tuple(t.shape) for t in self.fragments[p]]
-        require([tuple(t.shape) for t in values] == shapes, f"fragment-{p}", "shapes",
-                "do not match this model's plan")  # fmt: skip
+        require(
+            [tuple(t.shape) for t in values] == shapes,
+            f"fragment-{p}",
+            "shapes",
+            "do not match this model's plan",
+        )
         for dst, src in zip(self.fragments[p], values, strict=True):
             dst.copy_(src)
         self.param_norms[p] = answer_norm(tensor_norms(self.fragments[p]))

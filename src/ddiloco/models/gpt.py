@@ -46,8 +46,12 @@ class GPTConfig:
         require(0.0 <= self.dropout < 1.0, "model.dropout", self.dropout, "must be in [0, 1)")
         require(self.n_experts >= 0, "model.n_experts", self.n_experts, "must be >= 0")
         if self.n_experts:
-            require(1 <= self.top_k <= self.n_experts, "model.top_k", self.top_k,
-                    f"must be in [1, n_experts={self.n_experts}]")  # fmt: skip
+            require(
+                1 <= self.top_k <= self.n_experts,
+                "model.top_k",
+                self.top_k,
+                f"must be in [1, n_experts={self.n_experts}]",
+            )
 
 
 GPT_CONFIGS: dict[str, GPTConfig] = {

@@ -60,22 +60,32 @@ def plot_timeline(records: Iterable[dict[str, Any]], out: Path) -> Path:
     fig, ax = plt.subplots(figsize=(11, 3.5))
     steps = defaultdict(list)
     end = max((r["t"] for r in rows), default=1.0)
-    colors = {"crash": "tab:red", "slow": "tab:orange", "freeze": "tab:purple",
-              "link_cut": "tab:gray", "link_slow": "tab:brown"}  # fmt: skip
+    colors = {
+        "crash": "tab:red",
+        "slow": "tab:orange",
+        "freeze": "tab:purple",
+        "link_cut": "tab:gray",
+        "link_slow": "tab:brown",
+    }
     for r in rows:
         if r["kind"] == "step":
             steps[r["learner"]].append(r["t"])
         elif r["kind"] == "chaos" and r["event"] in colors:
             span = min(r["duration"] or end, end - r["t"])  # a duration of 0 lasts to the end
-            ax.barh(r["learner"], span, left=r["t"], color=colors[r["event"]], alpha=0.3,
-                    height=0.6)  # fmt: skip
+            ax.barh(
+                r["learner"], span, left=r["t"], color=colors[r["event"]], alpha=0.3, height=0.6
+            )
         elif r["kind"] == "recovered":
             ax.plot([r["t"]], [r["learner"]], marker="^", color="tab:green", markersize=9)
     for learner, times in sorted(steps.items()):
         ax.plot(times, [learner] * len(times), "|", color="tab:blue", markersize=6)
-    ax.set(xlabel="virtual seconds", ylabel="learner", xlim=(0, end),
-           title="Learner timeline: steps (|), crash (red), slow (orange), freeze (purple), "
-           "link cut (grey), recovered (^)")  # fmt: skip
+    ax.set(
+        xlabel="virtual seconds",
+        ylabel="learner",
+        xlim=(0, end),
+        title="Learner timeline: steps (|), crash (red), slow (orange), freeze (purple), "
+        "link cut (grey), recovered (^)",
+    )
     ax.set_yticks(sorted(steps))
     fig.tight_layout()
     fig.savefig(out, dpi=100)

@@ -27,10 +27,24 @@ from ddiloco.core import ledger as reasons
 # Waste caused by failures; the rest is the algorithm's own (overlap overwrites, staleness).
 FAILURE_REASONS = (reasons.CRASH, reasons.LOST_IN_FLIGHT)
 
-REQUIRED = ("method", "runtime", "clock", "eval_loss", "tokens", "tokens_merged",
-            "tokens_wasted", "ledger_balanced", "goodput", "token_efficiency", "uptime",
-            "idle_seconds", "virtual_seconds", "bytes_sent", "bytes_received",
-            "bytes_per_token")  # fmt: skip
+REQUIRED = (
+    "method",
+    "runtime",
+    "clock",
+    "eval_loss",
+    "tokens",
+    "tokens_merged",
+    "tokens_wasted",
+    "ledger_balanced",
+    "goodput",
+    "token_efficiency",
+    "uptime",
+    "idle_seconds",
+    "virtual_seconds",
+    "bytes_sent",
+    "bytes_received",
+    "bytes_per_token",
+)
 
 
 class Uptime:

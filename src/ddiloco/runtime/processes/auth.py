@@ -182,10 +182,14 @@ class Gatekeeper(threading.Thread):
         if len(source.failures) >= self.bounds.fail_limit:
             source.banned_until = now + self.bounds.ban_seconds
             source.failures.clear()
-            self._say("ban", "shutting out %s for %.0fs after %d failed handshakes", where,
-                      self.bounds.ban_seconds, self.bounds.fail_limit)  # fmt: skip
-        self._say(reason, "refused a connection from %s (%s): %s", where, name or "-",
-                  WHY[reason])  # fmt: skip
+            self._say(
+                "ban",
+                "shutting out %s for %.0fs after %d failed handshakes",
+                where,
+                self.bounds.ban_seconds,
+                self.bounds.fail_limit,
+            )
+        self._say(reason, "refused a connection from %s (%s): %s", where, name or "-", WHY[reason])
         return b"400", WHY[reason], ""
 
     def _verify(self, mechanism: bytes, creds: list[bytes]) -> tuple[str, str | None]:
@@ -258,8 +262,10 @@ class HandshakeWatch:
             event = recv_monitor_message(self.mon)
             kind = event["event"]
             if kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
-                return (f"{self.address} refused our credentials (ZAP status "
-                        f"{event['value']}): wrong secret or run id")  # fmt: skip
+                return (
+                    f"{self.address} refused our credentials (ZAP status "
+                    f"{event['value']}): wrong secret or run id"
+                )
             if kind != zmq.EVENT_HANDSHAKE_SUCCEEDED:
                 self.failures += 1
         return None

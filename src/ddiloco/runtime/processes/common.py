@@ -54,9 +54,12 @@ def load_secret(secret_file: str | None) -> bytes:
         except ValueError:
             raise ConfigError(SECRET_ENV, "<hidden>", "must be hex") from None
     if len(secret) < SECRET_MIN_BYTES:
-        raise ConfigError("secret", f"{len(secret)} bytes",
-                          f"need >= {SECRET_MIN_BYTES} random bytes; make one with: python -c "
-                          "'import secrets; print(secrets.token_hex(32))'")  # fmt: skip
+        raise ConfigError(
+            "secret",
+            f"{len(secret)} bytes",
+            f"need >= {SECRET_MIN_BYTES} random bytes; make one with: python -c "
+            "'import secrets; print(secrets.token_hex(32))'",
+        )
     return secret
 
 

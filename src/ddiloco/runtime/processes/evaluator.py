@@ -46,8 +46,9 @@ class Evaluator:
             return False
         with torch.no_grad():
             frozen = [[t.detach().clone() for t in frag] for frag in fragments]
-        self.thread = threading.Thread(target=self._run, args=(frozen, tokens),
-                                       name="syncer-eval", daemon=True)  # fmt: skip
+        self.thread = threading.Thread(
+            target=self._run, args=(frozen, tokens), name="syncer-eval", daemon=True
+        )
         self.thread.start()
         return True
 
@@ -56,8 +57,9 @@ class Evaluator:
             loss = self.setup.eval_loss(fragments, self.model)
         except Exception as exc:
             self.counts["eval_failed"] += 1
-            log.error("syncer: evaluation at %d tokens failed: %s: %s", tokens,
-                      type(exc).__name__, exc)  # fmt: skip
+            log.error(
+                "syncer: evaluation at %d tokens failed: %s: %s", tokens, type(exc).__name__, exc
+            )
             return
         self.counts["evals"] += 1
         self.events("eval", tokens=tokens, loss=loss)

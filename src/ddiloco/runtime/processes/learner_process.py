@@ -84,18 +84,35 @@ class LearnerProcess:
         self.trainer = Trainer(setup.model, stream, t, setup.steps_each)
         self.ranks.average_gradients(self.trainer.model)
         sync = setup.method.sync
-        self.sync = LearnerSync(learner, setup.plan, self.trainer.params(),
-                                incarnation=self.incarnation, blend=sync.blend)  # fmt: skip
-        self.boundary = StepBoundary(self.sync, overlap=sync.overlap,
-                                     waits_for_merge=setup.method.waits_for_merge)  # fmt: skip
+        self.sync = LearnerSync(
+            learner,
+            setup.plan,
+            self.trainer.params(),
+            incarnation=self.incarnation,
+            blend=sync.blend,
+        )
+        self.boundary = StepBoundary(
+            self.sync, overlap=sync.overlap, waits_for_merge=setup.method.waits_for_merge
+        )
         shapes = [[tuple(t.shape) for t in frag] for frag in self.sync.bases]
         self.shapes = shapes
         limits = Limits(max_payload=max(64 << 20, 4 * setup.plan.total_bytes))
-        shm = writer_for(run_id, f"L{learner}", self.incarnation, syncer.rpartition(":")[0],
-                         config.processes.shared_memory)  # fmt: skip
+        shm = writer_for(
+            run_id,
+            f"L{learner}",
+            self.incarnation,
+            syncer.rpartition(":")[0],
+            config.processes.shared_memory,
+        )
         wire = Wire(run_id, secret, f"L{learner}", self.incarnation, limits, shm=shm)
-        self.link = SyncerLink(syncer, wire, learner, sync.codec_spec(), shapes,
-                               give_up_seconds=config.processes.give_up_seconds)  # fmt: skip
+        self.link = SyncerLink(
+            syncer,
+            wire,
+            learner,
+            sync.codec_spec(),
+            shapes,
+            give_up_seconds=config.processes.give_up_seconds,
+        )
         self.server = SnapshotServer(peer_host, run_id, secret, learner)
         self.leaving = threading.Event()
         self.started = time.monotonic()
@@ -106,8 +123,12 @@ class LearnerProcess:
         self.last_seconds = 0.0  # the last step's duration
 
     def status(self) -> dict[str, Any]:
-        return {"inc": self.incarnation, "step": self.sync.step,
-                "versions": list(self.sync.versions), "peer": self.server.address}  # fmt: skip
+        return {
+            "inc": self.incarnation,
+            "step": self.sync.step,
+            "versions": list(self.sync.versions),
+            "peer": self.server.address,
+        }
 
     # -- life -------------------------------------------------------------------------------
     def run(self) -> int:
@@ -124,8 +145,13 @@ class LearnerProcess:
             if not self.ranks.leader:
                 self.load(blob)
         self.started = time.monotonic()
-        self.events("learner_up", learner=self.m, incarnation=self.incarnation,
-                    peer=self.server.address, ranks=self.ranks.world)  # fmt: skip
+        self.events(
+            "learner_up",
+            learner=self.m,
+            incarnation=self.incarnation,
+            peer=self.server.address,
+            ranks=self.ranks.world,
+        )
         try:
             while self.step():
                 pass
@@ -136,12 +162,20 @@ class LearnerProcess:
                 self.events("leave", learner=self.m)
         finally:
             in_sync = self.ranks.agree(self.checksum())
-            self.events("learner_done", learner=self.m, step=self.sync.step, tokens=self.tokens,
-                        bytes_sent=self.link.bytes_sent, bytes_received=self.link.bytes_received,
-                        bytes_peer=self.bytes_peer, reconnects=self.link.reconnects,
-                        idle_seconds=round(self.idle_seconds, 4),
-                        refused=dict(self.link.wire.refused), ranks=self.ranks.world,
-                        ranks_in_sync=in_sync)  # fmt: skip
+            self.events(
+                "learner_done",
+                learner=self.m,
+                step=self.sync.step,
+                tokens=self.tokens,
+                bytes_sent=self.link.bytes_sent,
+                bytes_received=self.link.bytes_received,
+                bytes_peer=self.bytes_peer,
+                reconnects=self.link.reconnects,
+                idle_seconds=round(self.idle_seconds, 4),
+                refused=dict(self.link.wire.refused),
+                ranks=self.ranks.world,
+                ranks_in_sync=in_sync,
+            )
             if self.ranks.leader:
                 self.link.close()
                 self.server.close()
@@ -174,9 +208,15 @@ class LearnerProcess:
     def report(self, tokens: int) -> None:
         """A progress report (rank 0): the step, its tokens, the fragments rebased since."""
         if self.ranks.leader:
-            self.link.progress({"inc": self.incarnation, "step": self.sync.step,
-                                "tokens": tokens, "secs": self.last_seconds,
-                                "rebased": self.rebased})  # fmt: skip
+            self.link.progress(
+                {
+                    "inc": self.incarnation,
+                    "step": self.sync.step,
+                    "tokens": tokens,
+                    "secs": self.last_seconds,
+                    "rebased": self.rebased,
+                }
+            )
         self.rebased = []
 
     def at_boundary(self, step_end: bool) -> tuple[bool, bool]:
@@ -217,9 +257,13 @@ class LearnerProcess:
                 self.report(0)
                 last_report = now
             if now >= warn_at and self.ranks.leader:
-                log.warning("learner %d: waiting %.0fs for merged fragments %s (lock-step: a "
-                            "merge waits for every learner)", self.m, now - started,
-                            sorted(self.boundary.sent))  # fmt: skip
+                log.warning(
+                    "learner %d: waiting %.0fs for merged fragments %s (lock-step: a "
+                    "merge waits for every learner)",
+                    self.m,
+                    now - started,
+                    sorted(self.boundary.sent),
+                )
                 warn_at = now + WAIT_WARN_SECONDS
             stop, wait = self.at_boundary(step_end=False)
         self.idle_seconds += time.monotonic() - started
@@ -238,8 +282,9 @@ class LearnerProcess:
 
     def snapshot(self) -> bytes:
         """Everything a newcomer copies (docs/design.md §5.1); taken between two steps."""
-        return pack_tree({"trainer": self.trainer.state(), "sync": self.sync.state_dict(),
-                          "learner": self.m})  # fmt: skip
+        return pack_tree(
+            {"trainer": self.trainer.state(), "sync": self.sync.state_dict(), "learner": self.m}
+        )
 
     # -- recovery ---------------------------------------------------------------------------
     def recover(self) -> None:
@@ -255,8 +300,9 @@ class LearnerProcess:
             self.load(blob)
             self.bytes_peer += len(blob)
             self.link.register(self.status())
-            self.events("recovered", learner=self.m, peer=int(pid), bytes=len(blob),
-                        step=self.sync.step)  # fmt: skip
+            self.events(
+                "recovered", learner=self.m, peer=int(pid), bytes=len(blob), step=self.sync.step
+            )
             return
         # nobody to copy: the syncer's global fragments, fresh inner state, the global step
         self.link.register(self.status())

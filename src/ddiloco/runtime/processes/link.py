@@ -214,11 +214,16 @@ class SyncerLink(threading.Thread):
             if self.state is LinkState.HELLO:
                 if now - self.last_welcome > self.give_up:
                     failed = self.failed_handshakes
-                    hint = (f"; {failed} handshakes failed: is it a ddiloco syncer of this "
-                            "version?") if failed else ""  # fmt: skip
-                    self._fail(f"no syncer answered at {self.address} for {self.give_up:.0f}s "
-                               "(not started, already finished, or unreachable); giving up "
-                               f"(processes.give_up_seconds){hint}")  # fmt: skip
+                    hint = (
+                        (f"; {failed} handshakes failed: is it a ddiloco syncer of this version?")
+                        if failed
+                        else ""
+                    )
+                    self._fail(
+                        f"no syncer answered at {self.address} for {self.give_up:.0f}s "
+                        "(not started, already finished, or unreachable); giving up "
+                        f"(processes.give_up_seconds){hint}"
+                    )
             else:
                 self.last_welcome = now
                 self.failed_handshakes = 0
@@ -266,8 +271,11 @@ class SyncerLink(threading.Thread):
     def _reconnect(self) -> None:
         """The syncer went silent: drop the socket (and whatever zmq queued in it) and start
         over; hellos follow with capped exponential backoff and jitter until welcomed."""
-        log.warning("learner %d: syncer silent for %.1fs; reconnecting", self.learner,
-                    time.monotonic() - self.last_rx)  # fmt: skip
+        log.warning(
+            "learner %d: syncer silent for %.1fs; reconnecting",
+            self.learner,
+            time.monotonic() - self.last_rx,
+        )
         self._disconnect()
         if self.state is LinkState.LIVE:
             self._enter(LinkState.HELLO)
@@ -313,8 +321,11 @@ class SyncerLink(threading.Thread):
         """Send a progress report; while unregistered (or unsent), fold it into the next one,
         so the syncer's ledger sees every trained token and rebase, in order."""
         if self.carry is not None:
-            meta = {**meta, "tokens": self.carry["tokens"] + meta["tokens"],
-                    "rebased": sorted({*self.carry["rebased"], *meta["rebased"]})}  # fmt: skip
+            meta = {
+                **meta,
+                "tokens": self.carry["tokens"] + meta["tokens"],
+                "rebased": sorted({*self.carry["rebased"], *meta["rebased"]}),
+            }
             self.carry = None
         if not (self.state is LinkState.LIVE and self._send("progress", meta=meta) is not None):
             self.carry = meta
@@ -333,9 +344,14 @@ class SyncerLink(threading.Thread):
         in a merged fragment): so does the shared-memory slot it went in, which the next
         answers must not overwrite (the syncer may not have read it yet)."""
         key = (meta["learner"], meta["incarnation"], meta["seq"])
-        parts = self._send("answer", fragment=meta["fragment"], round=meta["round_id"],
-                           meta=meta, payload=payload,
-                           busy=frozenset(self.slots.values()))  # fmt: skip
+        parts = self._send(
+            "answer",
+            fragment=meta["fragment"],
+            round=meta["round_id"],
+            meta=meta,
+            payload=payload,
+            busy=frozenset(self.slots.values()),
+        )
         if parts is not None:
             self.sent_to[key] = self.syncer_session
             if PREFIX.unpack_from(parts[0], 0)[2] & FLAG_SHM:
@@ -388,8 +404,9 @@ class SyncerLink(threading.Thread):
         elif h.kind == "refused":
             self._fail(f"the syncer refused this learner: {str(h.meta.get('why'))[:400]}")
         elif h.kind == "no_shm" and self.wire.shm is not None:
-            log.warning("learner %d: the syncer cannot read our /dev/shm; sending inline",
-                        self.learner)  # fmt: skip
+            log.warning(
+                "learner %d: the syncer cannot read our /dev/shm; sending inline", self.learner
+            )
             self.wire.shm.close()
             self.wire.shm = None
 

@@ -75,18 +75,40 @@ class Progress:
 
 
 def hello(meta: dict[str, Any], fragments: int) -> Hello:
-    return Hello(count(meta, "inc"), count(meta, "step"), counts(meta, "versions", fragments),
-                 text(meta, "peer"))  # fmt: skip
+    return Hello(
+        count(meta, "inc"),
+        count(meta, "step"),
+        counts(meta, "versions", fragments),
+        text(meta, "peer"),
+    )
 
 
 def progress(meta: dict[str, Any], fragments: int) -> Progress:
     rebased = counts(meta, "rebased", None, fragments - 1)
-    return Progress(count(meta, "inc"), count(meta, "step"), count(meta, "tokens"),
-                    seconds(meta, "secs"), sorted(set(rebased)))  # fmt: skip
+    return Progress(
+        count(meta, "inc"),
+        count(meta, "step"),
+        count(meta, "tokens"),
+        seconds(meta, "secs"),
+        sorted(set(rebased)),
+    )
 
 
 def answer(meta: dict[str, Any], fragments: int) -> AnswerMeta:
-    values = {name: count(meta, name) for name in ("learner", "incarnation", "seq",
-              "base_version", "local_step", "c_steps", "c_tokens")}  # fmt: skip
-    return AnswerMeta(fragment=count(meta, "fragment", 0, fragments - 1),
-                      round_id=count(meta, "round_id", UNSOLICITED), **values)  # fmt: skip
+    values = {
+        name: count(meta, name)
+        for name in (
+            "learner",
+            "incarnation",
+            "seq",
+            "base_version",
+            "local_step",
+            "c_steps",
+            "c_tokens",
+        )
+    }
+    return AnswerMeta(
+        fragment=count(meta, "fragment", 0, fragments - 1),
+        round_id=count(meta, "round_id", UNSOLICITED),
+        **values,
+    )

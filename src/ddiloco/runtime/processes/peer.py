@@ -86,8 +86,11 @@ class SnapshotServer(threading.Thread):
                     pass
             with self._lock:
                 newest = self._next_id
-                for sid in [s for s, (_, _, made) in self._blobs.items()
-                            if time.time() - made > KEEP_SECONDS and s != newest]:  # fmt: skip
+                for sid in [
+                    s
+                    for s, (_, _, made) in self._blobs.items()
+                    if time.time() - made > KEEP_SECONDS and s != newest
+                ]:
                     del self._blobs[sid]
             if newest != announced and self._waiting:
                 blob, digest, _ = self._blobs[newest]
@@ -165,8 +168,9 @@ def fetch_snapshot(
         asked, got = 0, 0
         while got < chunks:
             while asked < chunks and asked - got < window:
-                sock.send_multipart(wire.encode("snap_chunk", learner=learner,
-                                                meta={"id": sid, "index": asked}))  # fmt: skip
+                sock.send_multipart(
+                    wire.encode("snap_chunk", learner=learner, meta={"id": sid, "index": asked})
+                )
                 asked += 1
             part_meta, data = receive("snap_data")
             index = int(part_meta["index"])

@@ -119,19 +119,26 @@ def _train_step(
         with torch.autocast(device.type, torch.bfloat16, enabled=amp):
             out = model(x, y)
     except Exception as exc:
-        hint = "" if hasattr(getattr(model, "config", None), "block_size") else (
-            " (the model has no config.block_size: sequences are 128 tokens)")  # fmt: skip
+        hint = (
+            ""
+            if hasattr(getattr(model, "config", None), "block_size")
+            else (" (the model has no config.block_size: sequences are 128 tokens)")
+        )
         raise ConfigError("model", name, f"forward {context} raised {_what(exc)}{hint}") from exc
     if not (isinstance(out, tuple | list) and len(out) == 2):
         raise ConfigError("model", name, f"forward returned {_shape(out)}, not (logits, loss)")
     logits, loss = out
     want = f"({x.shape[0]}, {x.shape[1]}, >= {BYTE_VOCAB})"
-    if (not isinstance(logits, torch.Tensor) or logits.dim() != 3
-            or tuple(logits.shape[:2]) != tuple(x.shape)):  # fmt: skip
+    if (
+        not isinstance(logits, torch.Tensor)
+        or logits.dim() != 3
+        or tuple(logits.shape[:2]) != tuple(x.shape)
+    ):
         raise ConfigError("model", name, f"logits are {_shape(logits)}, not {want}")
     if logits.shape[2] < BYTE_VOCAB:
-        raise ConfigError("model", name, f"vocabulary {logits.shape[2]} < {BYTE_VOCAB}: "
-                          "tokens are bytes")  # fmt: skip
+        raise ConfigError(
+            "model", name, f"vocabulary {logits.shape[2]} < {BYTE_VOCAB}: tokens are bytes"
+        )
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         raise ConfigError("model", name, f"loss is {_shape(loss)}, not a scalar tensor")
     if not torch.isfinite(loss.detach().float()).all():

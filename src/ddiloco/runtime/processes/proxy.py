@@ -73,8 +73,12 @@ class Faults:
         for kind in KINDS:
             p = getattr(self, kind)
             require(0.0 <= p <= 1.0, f"processes.proxy.{kind}", p, "a probability in [0, 1]")
-        require(self.delay_seconds >= 0, "processes.proxy.delay_seconds", self.delay_seconds,
-                "must be >= 0")  # fmt: skip
+        require(
+            self.delay_seconds >= 0,
+            "processes.proxy.delay_seconds",
+            self.delay_seconds,
+            "must be >= 0",
+        )
 
     @classmethod
     def parse(cls, spec: str) -> Faults:
@@ -325,8 +329,7 @@ class FaultProxy:
             if self.rng.random() < self.faults.delay:
                 self.counts["delayed"] += 1
                 due = time.monotonic() + self.faults.delay_seconds * (0.5 + self.rng.random())
-                heapq.heappush(self.delayed, (due, next(self._tie), sock, copy, learner,
-                                              direction))  # fmt: skip
+                heapq.heappush(self.delayed, (due, next(self._tie), sock, copy, learner, direction))
             else:
                 self._onto_link(sock, copy, learner, direction)
 
@@ -335,8 +338,9 @@ class FaultProxy:
     ) -> None:
         """Through the learner's emulated link (injured first, as on a real path)."""
         nbytes = sum(len(p) for p in parts)
-        if learner is None or self.links.submit(learner, direction, time.monotonic(), nbytes,
-                                                (sock, parts)):  # fmt: skip
+        if learner is None or self.links.submit(
+            learner, direction, time.monotonic(), nbytes, (sock, parts)
+        ):
             self._send(sock, parts)
 
     def read_commands(self, stream: IO[bytes]) -> None:
@@ -416,19 +420,31 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--faults", default="", help="e.g. drop=0.02,corrupt=0.01,delay=0.05")
     parser.add_argument("--run-id", required=True, help="the run's id (credentials bind it)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--gbps", type=float, default=DEFAULT_GBPS,
-                        help="a learner link's nominal Gbit/s (link_slow divides it)")  # fmt: skip
-    parser.add_argument("--control", action="store_true",
-                        help="read link commands on stdin, one JSON object a line")  # fmt: skip
+    parser.add_argument(
+        "--gbps",
+        type=float,
+        default=DEFAULT_GBPS,
+        help="a learner link's nominal Gbit/s (link_slow divides it)",
+    )
+    parser.add_argument(
+        "--control", action="store_true", help="read link commands on stdin, one JSON object a line"
+    )
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(message)s")  # fmt: skip
-    proxy = FaultProxy(args.listen, args.target, Faults.parse(args.faults), args.seed, args.gbps,
-                       run=args.run_id, secret=load_secret(None))  # fmt: skip
+    logging.basicConfig(
+        level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(message)s"
+    )
+    proxy = FaultProxy(
+        args.listen,
+        args.target,
+        Faults.parse(args.faults),
+        args.seed,
+        args.gbps,
+        run=args.run_id,
+        secret=load_secret(None),
+    )
     signal.signal(signal.SIGTERM, lambda *_: proxy.stop.set())
     if args.control:
-        threading.Thread(target=proxy.read_commands, args=(sys.stdin.buffer,),
-                         daemon=True).start()  # fmt: skip
+        threading.Thread(target=proxy.read_commands, args=(sys.stdin.buffer,), daemon=True).start()
     print(EVENT_PREFIX + json.dumps({"kind": "proxy_up", "t": 0.0}), flush=True)
     proxy.serve()
     record = {"kind": "proxy", "t": 0.0, "counts": dict(sorted(proxy.counts.items()))}

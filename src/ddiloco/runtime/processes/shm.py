@@ -95,8 +95,9 @@ class _Slot:
 class ShmWriter:
     """One sender's slots. ``put`` returns the reference to send, or None (send inline)."""
 
-    def __init__(self, run: str, sender: str, session: int, max_bytes: int = 2 << 30,
-                 root: Path = SHM_ROOT) -> None:  # fmt: skip
+    def __init__(
+        self, run: str, sender: str, session: int, max_bytes: int = 2 << 30, root: Path = SHM_ROOT
+    ) -> None:
         path = run_directory(run, root)
         if path is None or not _own_directory(path, create=True):
             raise OSError(f"no private shared-memory directory for run {run!r} under {root}")
@@ -109,8 +110,14 @@ class ShmWriter:
         self._slots: dict[str, _Slot] = {}
         self._turn: dict[str, int] = {}
 
-    def put(self, key: str, payload: memoryview, digest: bytes, seq: int,
-            busy: frozenset[bytes] = frozenset()) -> bytes | None:  # fmt: skip
+    def put(
+        self,
+        key: str,
+        payload: memoryview,
+        digest: bytes,
+        seq: int,
+        busy: frozenset[bytes] = frozenset(),
+    ) -> bytes | None:
         """Write ``payload`` (whose digest the frame carries) into the key's older slot, or
         the other one if the older still holds a message in ``busy`` (references a receiver
         may not have read yet: the sender keeps them until acknowledged); None if both do."""

@@ -231,12 +231,20 @@ class SyncerStore:
         _check_manifest(body, where)
         theirs, count = body.get("fingerprint"), body.get("fragments")
         if self.fingerprint is not None and theirs != self.fingerprint:
-            raise StoreError(str(self.dir), theirs, f"store {self.dir} was written by another "
-                             f"model/plan/run: its fingerprint is {theirs!r}, this run's is "
-                             f"{self.fingerprint!r}")  # fmt: skip
+            raise StoreError(
+                str(self.dir),
+                theirs,
+                f"store {self.dir} was written by another "
+                f"model/plan/run: its fingerprint is {theirs!r}, this run's is "
+                f"{self.fingerprint!r}",
+            )
         if self.fragments is not None and count not in (None, self.fragments):
-            raise StoreError(str(self.dir), count, f"store {self.dir} was written by another "
-                             f"plan: {count} fragments, this run has {self.fragments}")  # fmt: skip
+            raise StoreError(
+                str(self.dir),
+                count,
+                f"store {self.dir} was written by another "
+                f"plan: {count} fragments, this run has {self.fragments}",
+            )
         return body
 
     def _write_manifest(self, body: dict[str, Any]) -> None:
@@ -246,12 +254,19 @@ class SyncerStore:
 
     def _refuse_strays(self) -> None:
         """Store files without a manifest: an older build's, or the manifest was deleted."""
-        strays = sorted(e.name for e in os.scandir(self.dir) if _NAME.fullmatch(e.name)
-                        or e.name in (self.ledger_path.name, self.journal_path.name))  # fmt: skip
+        strays = sorted(
+            e.name
+            for e in os.scandir(self.dir)
+            if _NAME.fullmatch(e.name) or e.name in (self.ledger_path.name, self.journal_path.name)
+        )
         if strays:
-            raise StoreError(str(self.manifest_path), strays, f"missing, but store {self.dir} "
-                             f"holds {', '.join(strays)}: refusing to guess whose they are "
-                             "(an older build's store, or its manifest was deleted)")  # fmt: skip
+            raise StoreError(
+                str(self.manifest_path),
+                strays,
+                f"missing, but store {self.dir} "
+                f"holds {', '.join(strays)}: refusing to guess whose they are "
+                "(an older build's store, or its manifest was deleted)",
+            )
 
     def _settled(self, body: dict[str, Any]) -> dict[str, Any]:
         """The pending fragment file listed if it was written, dropped if not."""
@@ -267,15 +282,24 @@ class SyncerStore:
             body = self._read_manifest()
             if body is None:
                 self._refuse_strays()
-                body = {"format": MANIFEST_FORMAT, "fingerprint": self.fingerprint,
-                        "fragments": self.fragments, "journal": self.journal_enabled,
-                        "files": [], "pending": None}  # fmt: skip
+                body = {
+                    "format": MANIFEST_FORMAT,
+                    "fingerprint": self.fingerprint,
+                    "fragments": self.fragments,
+                    "journal": self.journal_enabled,
+                    "files": [],
+                    "pending": None,
+                }
                 self._write_manifest(body)
             self._manifest = body
         if self._manifest["journal"] != self.journal_enabled:
-            raise StoreError(str(self.journal_path), self.journal_enabled, f"store {self.dir} "
-                             f"was begun with journal={self._manifest['journal']}: a journal "
-                             "covers a whole run or none of it")  # fmt: skip
+            raise StoreError(
+                str(self.journal_path),
+                self.journal_enabled,
+                f"store {self.dir} "
+                f"was begun with journal={self._manifest['journal']}: a journal "
+                "covers a whole run or none of it",
+            )
         return self._manifest
 
     # -- writing ----------------------------------------------------------------------------
@@ -350,8 +374,12 @@ class SyncerStore:
             self._write_manifest(settled)
         self._manifest = settled
         if self.journal_enabled and not settled["journal"]:
-            raise StoreError(str(self.journal_path), True, f"store {self.dir} was begun without "
-                             "a journal: one started now would miss its first merges")  # fmt: skip
+            raise StoreError(
+                str(self.journal_path),
+                True,
+                f"store {self.dir} was begun without "
+                "a journal: one started now would miss its first merges",
+            )
         records, latest, problems = self._fragments(settled)
         if self.ledger_path.exists():
             try:
@@ -363,15 +391,21 @@ class SyncerStore:
             except StoreError as exc:
                 problems.append(str(exc))
         if problems:
-            raise StoreError(str(self.dir), len(problems), f"refusing to start from store "
-                             f"{self.dir}: " + "; ".join(problems))  # fmt: skip
+            raise StoreError(
+                str(self.dir),
+                len(problems),
+                f"refusing to start from store {self.dir}: " + "; ".join(problems),
+            )
         self.seq, self.ledger_state = latest
         versions = {p: r.version for p, r in records.items()}
         if self.journal_path.exists():
             self._trim_journal(versions, complete=settled["journal"])
         elif settled["journal"] and any(versions.values()):
-            raise StoreError(str(self.journal_path), "missing", f"store {self.dir} keeps a "
-                             f"journal and has durable merges {versions}")  # fmt: skip
+            raise StoreError(
+                str(self.journal_path),
+                "missing",
+                f"store {self.dir} keeps a journal and has durable merges {versions}",
+            )
         return records
 
     def _fragments(
@@ -392,8 +426,10 @@ class SyncerStore:
                 problems.append(f"{path}: not a fragment file name this store writes")
                 continue
             if name not in present:
-                problems.append(f"{path}: missing (listed in {MANIFEST}: its fragment merged, "
-                                "and restarting it from Theta_0 would lose that)")  # fmt: skip
+                problems.append(
+                    f"{path}: missing (listed in {MANIFEST}: its fragment merged, "
+                    "and restarting it from Theta_0 would lose that)"
+                )
                 continue
             try:
                 rec, seq = _read_fragment(path)
@@ -474,9 +510,16 @@ def restore(syncer: SyncerState, records: dict[int, FragmentRecord]) -> tuple[in
         if not 0 <= p < len(syncer.fragments):
             raise StoreError("fragment", p, f"the plan has {len(syncer.fragments)} fragments")
         try:
-            syncer.restore_fragment(p, rec.values, rec.outer, rec.version, rec.next_round_id,
-                                    rec.applied, rec.merged_base,
-                                    norm_window=rec.norm_window)  # fmt: skip
+            syncer.restore_fragment(
+                p,
+                rec.values,
+                rec.outer,
+                rec.version,
+                rec.next_round_id,
+                rec.applied,
+                rec.merged_base,
+                norm_window=rec.norm_window,
+            )
         except ConfigError as exc:
             raise StoreError(exc.field, exc.value, exc.why) from None
         step = max(step, rec.global_step)

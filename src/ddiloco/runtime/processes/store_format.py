@@ -72,8 +72,10 @@ def fingerprint_of(setup: RunSetup) -> str:
     ]
     digest = hashlib.sha256(json.dumps(layout).encode()).hexdigest()[:16]
     c = setup.config
-    return (f"model={c.model} seed={c.seed} method={setup.method.name} "
-            f"fragments={plan.num_fragments} plan={digest}")  # fmt: skip
+    return (
+        f"model={c.model} seed={c.seed} method={setup.method.name} "
+        f"fragments={plan.num_fragments} plan={digest}"
+    )
 
 
 # -- fragment and ledger files ----------------------------------------------------------------
@@ -193,12 +195,16 @@ def _canonical(body: dict[str, Any]) -> bytes:
 def _check_manifest(body: dict[str, Any], where: str) -> None:
     """A checksummed manifest body's format and fields, before it is compared with the run."""
     if body.get("format") != MANIFEST_FORMAT:
-        raise StoreError(where, body.get("format"), f"this build reads format "
-                         f"{MANIFEST_FORMAT}")  # fmt: skip
+        raise StoreError(where, body.get("format"), f"this build reads format {MANIFEST_FORMAT}")
     names = body.get("files")
     pending = body.get("pending")
-    if not (isinstance(names, list) and (pending is None or isinstance(pending, str))
-            and all(isinstance(n, str) and _NAME.fullmatch(n) for n in [*names, pending or
-                                                                       "fragment-0000.bin"])
-            and isinstance(body.get("journal"), bool)):  # fmt: skip
+    if not (
+        isinstance(names, list)
+        and (pending is None or isinstance(pending, str))
+        and all(
+            isinstance(n, str) and _NAME.fullmatch(n)
+            for n in [*names, pending or "fragment-0000.bin"]
+        )
+        and isinstance(body.get("journal"), bool)
+    ):
         raise StoreError(where, sorted(body), "malformed manifest")

@@ -142,8 +142,10 @@ def _journal_keep(
     records, torn = _scan_journal(data, where)
     keep = records[-1][1] if records else 0
     if torn is not None:
-        note(f"{where}: cut {len(data) - keep} bytes at byte {keep} after "
-             f"record {len(records) - 1}: {torn}")  # fmt: skip
+        note(
+            f"{where}: cut {len(data) - keep} bytes at byte {keep} after "
+            f"record {len(records) - 1}: {torn}"
+        )
     seen: dict[int, int] = {}
     cut: int | None = None  # the first merge never written
     for i, (start, _, header, _) in enumerate(records):
@@ -154,23 +156,31 @@ def _journal_keep(
         if v > versions.get(p, 0):
             cut = i if cut is None else cut
         elif cut is not None:
-            raise StoreError(where, start, f"{at} is durable but "
-                             f"follows record {cut}, a merge never written")  # fmt: skip
+            raise StoreError(
+                where, start, f"{at} is durable but follows record {cut}, a merge never written"
+            )
         elif v != seen.get(p, 0) + 1:
-            raise StoreError(where, start, f"{at}: fragment {p} version "
-                             f"{v} follows version {seen.get(p, 0)}")  # fmt: skip
+            raise StoreError(
+                where, start, f"{at}: fragment {p} version {v} follows version {seen.get(p, 0)}"
+            )
         else:
             seen[p] = v
     if cut is not None:
         start = records[cut][0]
-        note(f"{where}: cut {keep - start} bytes at byte {start}: "
-             f"{len(records) - cut} merges from record {cut} on, never written to "
-             "their fragment files, so never broadcast")  # fmt: skip
+        note(
+            f"{where}: cut {keep - start} bytes at byte {start}: "
+            f"{len(records) - cut} merges from record {cut} on, never written to "
+            "their fragment files, so never broadcast"
+        )
         keep = start
     lost = {p: (seen.get(p, 0), v) for p, v in versions.items() if seen.get(p, 0) != v}
     if complete and lost:
-        raise StoreError(where, lost, "merges are missing from the journal "
-                         "(fragment: (journal's last version, durable version))")  # fmt: skip
+        raise StoreError(
+            where,
+            lost,
+            "merges are missing from the journal "
+            "(fragment: (journal's last version, durable version))",
+        )
     return keep
 
 
@@ -216,8 +226,16 @@ def replay_journal(
             if s < 1.0:
                 deltas[i] = scaled(deltas[i], s)
         norms = [tensor_norms(d) for d in deltas]
-        merge_step(fragments[p], outers[p], deltas, weights, norms, config.merge_rule,
-                   plain_mask[p], workspace)  # fmt: skip
+        merge_step(
+            fragments[p],
+            outers[p],
+            deltas,
+            weights,
+            norms,
+            config.merge_rule,
+            plain_mask[p],
+            workspace,
+        )
     return fragments, merged
 
 

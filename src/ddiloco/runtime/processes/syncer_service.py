@@ -109,8 +109,12 @@ class SyncerService:
             ledger=self.ledger,
         )
         self.shapes = [[tuple(t.shape) for t in frag] for frag in self.syncer.fragments]
-        self.store = SyncerStore(store_dir, journal=journal, fingerprint=fingerprint_of(setup),
-                                 fragments=self.plan.num_fragments)  # fmt: skip
+        self.store = SyncerStore(
+            store_dir,
+            journal=journal,
+            fingerprint=fingerprint_of(setup),
+            fragments=self.plan.num_fragments,
+        )
         self.applied: dict[int, list[tuple[int, int, int]]] = defaultdict(list)
         self.tokens = 0
         records = self.store.load()
@@ -123,13 +127,18 @@ class SyncerService:
             self.ledger.load_state(self.store.ledger_state)
             self.tokens = max(self.tokens, self.ledger.trained_tokens)
         if records:
-            events("restored", versions=list(self.syncer.versions), global_step=step,
-                   tokens=self.tokens)  # fmt: skip
+            events(
+                "restored",
+                versions=list(self.syncer.versions),
+                global_step=step,
+                tokens=self.tokens,
+            )
         self.payloads: dict[tuple[int, int, int], bytes] = {}  # journal inputs, until merged
         self.limits = Limits(max_payload=max(64 << 20, 4 * self.plan.total_bytes))
         session = new_session()
-        shm = writer_for(run_id, "S", session, bind.rpartition(":")[0],
-                         self.config.processes.shared_memory)  # fmt: skip
+        shm = writer_for(
+            run_id, "S", session, bind.rpartition(":")[0], self.config.processes.shared_memory
+        )
         self.wire = Wire(run_id, secret, "S", session, self.limits, shm=shm)
         self.ctx: zmq.Context[Socket] = zmq.Context()
         self.gate = Gatekeeper(self.ctx, secret, run_id, self.is_member)
@@ -147,12 +156,14 @@ class SyncerService:
         self.rehellos: dict[int, float] = {}  # learner -> when it was last told to rehello
         self.evaluator = Evaluator(setup, events)
         # what one step of a learner can hold, and how fast steps may be credited
-        self.tokens_per_step = (self.config.train.batch_size * setup.seq_len
-                                * self.config.processes.ranks)  # fmt: skip
+        self.tokens_per_step = (
+            self.config.train.batch_size * setup.seq_len * self.config.processes.ranks
+        )
         self.budget = StepBudget()
         self.budget_lives: dict[int, int] = {}  # learner -> the life its budget is of
-        self.ledger.max_missed = int(self.tokens_per_step * self.budget.bootstrap_rate
-                                     * self.budget.horizon)  # fmt: skip
+        self.ledger.max_missed = int(
+            self.tokens_per_step * self.budget.bootstrap_rate * self.budget.horizon
+        )
         self.lives: dict[int, int] = {}  # learner -> incarnation it registered with
         self.addresses: dict[int, str] = {}  # learner -> peer-recovery address
         self.last_heard: dict[int, float] = {}
@@ -168,9 +179,13 @@ class SyncerService:
         self.stop = stop or threading.Event()  # set (SIGTERM): end the run now, with a summary
         # the message kinds a learner may send, and who handles each (docs/extending.md)
         self.handlers: dict[str, Handler] = {
-            "hello": self.on_hello, "inline": self.on_inline, "peers": self.on_peers,
-            "progress": self.on_progress, "answer": self.on_answer, "bye": self.on_bye,
-        }  # fmt: skip
+            "hello": self.on_hello,
+            "inline": self.on_inline,
+            "peers": self.on_peers,
+            "progress": self.on_progress,
+            "answer": self.on_answer,
+            "bye": self.on_bye,
+        }
 
     # -- the loop ---------------------------------------------------------------------------
     def serve(self) -> dict[str, Any]:
@@ -213,8 +228,13 @@ class SyncerService:
     def refuse(self, reason: str, m: int | None, why: str) -> None:
         """Count one refused message and say why (rate-limited: a flood stays one line)."""
         self.counts[reason] += 1
-        self.say(reason, "syncer: refused a message from %s: %s (%s)",
-                 "?" if m is None else f"learner {m}", why, reason)  # fmt: skip
+        self.say(
+            reason,
+            "syncer: refused a message from %s: %s (%s)",
+            "?" if m is None else f"learner {m}",
+            why,
+            reason,
+        )
 
     def handle(self, frames: list[zmq.Frame]) -> None:
         """One received message: who sent it (from the handshake), then the wire's checks,
@@ -265,7 +285,6 @@ class SyncerService:
             self.refuse("handler_error", m, f"{kind}: {type(exc).__name__}: {exc}")
             log.debug("syncer: handler error", exc_info=True)
 
-
     # -- messages ---------------------------------------------------------------------------
     def on_hello(self, m: int, meta: dict[str, Any], _: memoryview) -> None:
         hello = messages.hello(meta, self.plan.num_fragments)
@@ -293,8 +312,14 @@ class SyncerService:
             restored = m in self.ledger.spans_restart  # report's tokens (a new one)
             self.budget.join(m, self.ledger.last_step[m][0] if restored else None, now)
         asks = self.syncer.policy.join(m, step)
-        self.send(m, "welcome", meta={"global_step": self.syncer.policy.global_step,
-                                      "versions": list(self.syncer.versions)})  # fmt: skip
+        self.send(
+            m,
+            "welcome",
+            meta={
+                "global_step": self.syncer.policy.global_step,
+                "versions": list(self.syncer.versions),
+            },
+        )
         for rnd in asks:
             self.send(m, "ask", fragment=rnd.fragment, round=rnd.round_id)
         for p, version in enumerate(self.syncer.versions):
@@ -319,13 +344,13 @@ class SyncerService:
             self.send(m, "rehello")
             return
         now = self.events.now()
-        steps, tokens = self.budget.credit(m, report.step, report.tokens, self.tokens_per_step,
-                                           now)  # fmt: skip
+        steps, tokens = self.budget.credit(m, report.step, report.tokens, self.tokens_per_step, now)
         step = self.budget.step_of(m) or 0  # the credited step, not the claim
         if step < report.step or tokens < report.tokens:
             self.counts["progress_capped"] += 1  # claimed more than it may be credited
-        self.tokens += self.ledger.reported(m, step, tokens, report.rebased,
-                                            self.syncer.versions, steps)  # fmt: skip
+        self.tokens += self.ledger.reported(
+            m, step, tokens, report.rebased, self.syncer.versions, steps
+        )
         if not steps:
             return
         for rnd in self.syncer.on_progress(m, step, now, report.seconds):
@@ -352,8 +377,9 @@ class SyncerService:
             return
         if answer.key not in self.syncer.policy.seen:  # a re-push is not new work
             before = self.ledger.trained_tokens  # (re-reported tokens a restart missed)
-            self.ledger.answered(m, answer.fragment, answer.key, answer.c_tokens,
-                                 answer.base_version)  # fmt: skip
+            self.ledger.answered(
+                m, answer.fragment, answer.key, answer.c_tokens, answer.base_version
+            )
             self.tokens += self.ledger.trained_tokens - before
         verdict = self.syncer.on_answer(answer, delta, self.events.now())
         if verdict in (Verdict.ACCEPTED, Verdict.WAITING):
@@ -382,8 +408,12 @@ class SyncerService:
         self.events("left", learner=m)
 
     def verdict(self, m: int, answer: AnswerMeta, verdict: str) -> None:
-        self.send(m, "verdict", fragment=answer.fragment,
-                  meta={"key": list(answer.key), "verdict": verdict})  # fmt: skip
+        self.send(
+            m,
+            "verdict",
+            fragment=answer.fragment,
+            meta={"key": list(answer.key), "verdict": verdict},
+        )
         self.events("drop", learner=m, fragment=answer.fragment, verdict=verdict)
 
     # -- merging ----------------------------------------------------------------------------
@@ -400,8 +430,7 @@ class SyncerService:
             self.persist(result)
             live = sorted(self.syncer.policy.progress)
             keys = [list(a.key) for a in result.round.answers]
-            nbytes = self.send_fragment(live, result.fragment, result.version, result.tensors,
-                                        keys)  # fmt: skip
+            nbytes = self.send_fragment(live, result.fragment, result.version, result.tensors, keys)
             self.syncer.record_sync_time(time.monotonic() - started)
             self.events(**result.record(nbytes))
         self.ledger.release_merges()  # (none is left: every merge was persisted)
@@ -416,18 +445,21 @@ class SyncerService:
         answers = result.round.answers
         self.applied[p].extend(a.key for a in answers)
         if self.store.journal_enabled:
-            self.store.append_journal(journal_header(result),
-                                      [self.payloads.pop(a.key, b"") for a in answers])  # fmt: skip
-        self.store.save(record_of(self.syncer, p, self.tokens, self.applied[p],
-                                  self.ledger.to_state()))  # fmt: skip
+            self.store.append_journal(
+                journal_header(result), [self.payloads.pop(a.key, b"") for a in answers]
+            )
+        self.store.save(
+            record_of(self.syncer, p, self.tokens, self.applied[p], self.ledger.to_state())
+        )
 
     def send_fragment(
         self, to: list[int], p: int, version: int, tensors: list[torch.Tensor], keys: list[Any]
     ) -> int:
         payload = encode_tensors(tensors, self.setup.method.sync.broadcast_spec())
         for m in to:
-            self.send(m, "fragment", fragment=p, meta={"version": version, "keys": keys},
-                      payload=payload)  # fmt: skip
+            self.send(
+                m, "fragment", fragment=p, meta={"version": version, "keys": keys}, payload=payload
+            )
         return len(payload)
 
     def send(self, m: int, kind: str, **kw: Any) -> None:
@@ -436,8 +468,9 @@ class SyncerService:
         if route is None:
             self.counts["send_unrouted"] += 1
             return
-        self._send_to(route, kind, learner=m, inline=m in self.inline,
-                      to=self.sessions.get(m, 0), **kw)  # fmt: skip
+        self._send_to(
+            route, kind, learner=m, inline=m in self.inline, to=self.sessions.get(m, 0), **kw
+        )
 
     def _send_to(self, route: bytes, kind: str, **kw: Any) -> None:
         parts = self.wire.encode(kind, **kw)

@@ -296,8 +296,12 @@ class Wire:
         check, tag = TRAILER.unpack(trailer)
         expected = blake3(bytes(head) + _digest(body)).digest()
         if not hmac.compare_digest(expected, check):
-            raise WireError("digest", check.hex()[:16], "BLAKE3 digest over header and payload "
-                            "differs: damaged on the way", "checksum")  # fmt: skip
+            raise WireError(
+                "digest",
+                check.hex()[:16],
+                "BLAKE3 digest over header and payload differs: damaged on the way",
+                "checksum",
+            )
         if not hmac.compare_digest(hmac.digest(self._secret, check, "sha256"), tag):
             raise WireError("hmac", tag.hex()[:16], "not signed with this run's secret", "auth")
         header = _header(head[PREFIX.size :], self.limits)
@@ -324,14 +328,18 @@ def _split(blob: memoryview, limits: Limits) -> list[memoryview]:
     head_end = PREFIX.size + header_len
     if len(blob) < head_end + TRAILER.size:
         raise WireError("length", len(blob), f"shorter than head + {TRAILER.size}", "truncated")
-    return [blob[:head_end], blob[head_end : len(blob) - TRAILER.size],
-            blob[len(blob) - TRAILER.size :]]  # fmt: skip
+    return [
+        blob[:head_end],
+        blob[head_end : len(blob) - TRAILER.size],
+        blob[len(blob) - TRAILER.size :],
+    ]
 
 
 def _prefix(head: memoryview, limits: Limits) -> tuple[int, int, int]:
     if len(head) < PREFIX.size:
-        raise WireError("length", len(head), f"shorter than the {PREFIX.size}-byte prefix",
-                        "truncated")  # fmt: skip
+        raise WireError(
+            "length", len(head), f"shorter than the {PREFIX.size}-byte prefix", "truncated"
+        )
     magic, version, flags, reserved, header_len, payload_len = PREFIX.unpack_from(head, 0)
     if magic != MAGIC:
         raise WireError("magic", bytes(magic), f"expected {MAGIC!r}", "magic")
@@ -377,8 +385,9 @@ def _header(raw: memoryview, limits: Limits) -> Header:
         values[name] = value
     for name in ("seq", "session", "to"):
         if not 0 <= values[name] <= MAX_COUNTER:
-            raise WireError(f"header.{name}", values[name], f"must be in [0, {MAX_COUNTER}]",
-                            "header")  # fmt: skip
+            raise WireError(
+                f"header.{name}", values[name], f"must be in [0, {MAX_COUNTER}]", "header"
+            )
     if _depth(values["meta"]) > META_DEPTH:
         raise WireError("header.meta", "...", f"nested deeper than {META_DEPTH}", "header")
     return Header(**values)

@@ -117,8 +117,16 @@ class DataParallelSim:
 
     def _fault(self, event: ChaosEvent, returns: list[tuple[float, int]]) -> None:
         dp = self.config.dp
-        self.emit({"kind": "chaos", "t": self.now, "event": event.kind, "learner": event.learner,
-                   "duration": event.duration, "factor": event.factor})  # fmt: skip
+        self.emit(
+            {
+                "kind": "chaos",
+                "t": self.now,
+                "event": event.kind,
+                "learner": event.learner,
+                "duration": event.duration,
+                "factor": event.factor,
+            }
+        )
         m = event.learner
         if event.kind == "slow":
             self.step_times.slowdown[m] = event.factor
@@ -139,8 +147,15 @@ class DataParallelSim:
                 if event.kind == "leave":
                     self.live.discard(m)
                 else:  # the whole job is back, the failed replica with it
-                    self.emit({"kind": "recovered", "t": self.now, "learner": m, "peer": None,
-                               "source": "checkpoint"})  # fmt: skip
+                    self.emit(
+                        {
+                            "kind": "recovered",
+                            "t": self.now,
+                            "learner": m,
+                            "peer": None,
+                            "source": "checkpoint",
+                        }
+                    )
         elif event.kind == "join" and m not in self.live and self.elastic:
             self._return(m)
 
@@ -151,8 +166,15 @@ class DataParallelSim:
         if self.elastic and m not in self.live:
             self.live.add(m)
             self._pause(self.config.dp.reconfigure_seconds, "upscale")
-            self.emit({"kind": "recovered", "t": self.now, "learner": m, "peer": None,
-                       "source": "upscale"})  # fmt: skip
+            self.emit(
+                {
+                    "kind": "recovered",
+                    "t": self.now,
+                    "learner": m,
+                    "peer": None,
+                    "source": "upscale",
+                }
+            )
 
     def _rollback(self, downtime: float) -> None:
         """Non-elastic failure: everyone stops, restarts from the last checkpoint."""

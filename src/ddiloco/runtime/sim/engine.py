@@ -88,8 +88,9 @@ class FragmentSim:
         self.idle_seconds = 0.0  # lock-step waiting, summed over learners
 
     def boundary_of(self, sync: LearnerSync) -> StepBoundary:
-        return StepBoundary(sync, overlap=self.sync.overlap,
-                            waits_for_merge=self.method.waits_for_merge)  # fmt: skip
+        return StepBoundary(
+            sync, overlap=self.sync.overlap, waits_for_merge=self.method.waits_for_merge
+        )
 
     # -- the run ----------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
@@ -218,8 +219,15 @@ class FragmentSim:
             return
         verdict = self.syncer.on_answer(meta, decode_tensors(payload), self.clock.now)
         if verdict not in (Verdict.ACCEPTED, Verdict.WAITING):
-            self.emit({"kind": "drop", "t": self.clock.now, "learner": m,
-                       "fragment": meta.fragment, "verdict": verdict.value})  # fmt: skip
+            self.emit(
+                {
+                    "kind": "drop",
+                    "t": self.clock.now,
+                    "learner": m,
+                    "fragment": meta.fragment,
+                    "verdict": verdict.value,
+                }
+            )
         self.poll()
 
     def poll(self) -> None:
@@ -248,8 +256,15 @@ class FragmentSim:
             self.bytes_down += len(payload)
             last = max(last, arrival)
             copy = [v.clone() for v in values]
-            self.clock.at(arrival, self.broadcast_arrive, m, self.nodes[m].incarnation,
-                          result.fragment, result.version, copy)  # fmt: skip
+            self.clock.at(
+                arrival,
+                self.broadcast_arrive,
+                m,
+                self.nodes[m].incarnation,
+                result.fragment,
+                result.version,
+                copy,
+            )
         self.syncer.record_sync_time(last - now)
         self.emit({**result.record(len(payload)), "t": now})
 
@@ -258,8 +273,15 @@ class FragmentSim:
         payload = encode_tensors(self.syncer.fragments[p], self.sync.broadcast_spec())
         self.bytes_down += len(payload)
         arrival = self.network.down(node.id, self.clock.now, len(payload))
-        self.clock.at(arrival, self.broadcast_arrive, node.id, node.incarnation, p,
-                      self.syncer.versions[p], decode_tensors(payload))  # fmt: skip
+        self.clock.at(
+            arrival,
+            self.broadcast_arrive,
+            node.id,
+            node.incarnation,
+            p,
+            self.syncer.versions[p],
+            decode_tensors(payload),
+        )
 
     # -- measurement ------------------------------------------------------------------------
     def evaluate(self) -> float:

@@ -61,9 +61,16 @@ class Faults:
         """A chaos event, now."""
         sim = self.sim
         node = sim.nodes[event.learner]
-        sim.emit({"kind": "chaos", "t": sim.clock.now, "event": event.kind,
-                  "learner": event.learner, "duration": event.duration,
-                  "factor": event.factor})  # fmt: skip
+        sim.emit(
+            {
+                "kind": "chaos",
+                "t": sim.clock.now,
+                "event": event.kind,
+                "learner": event.learner,
+                "duration": event.duration,
+                "factor": event.factor,
+            }
+        )
         handler = {
             "crash": self._crash,
             "freeze": self._freeze,
@@ -213,8 +220,9 @@ class Faults:
             for p in range(sim.plan.num_fragments):
                 scatter(sim.plan, p, params, sim.syncer.fragments[p])
             node.trainer.reset_optimizer()
-            sync = LearnerSync(m, sim.plan, params, blend=node.sync.blend,
-                               versions=sim.syncer.versions)  # fmt: skip
+            sync = LearnerSync(
+                m, sim.plan, params, blend=node.sync.blend, versions=sim.syncer.versions
+            )
             sync.step = sim.syncer.policy.global_step
             node.boundary = sim.boundary_of(sync)
         node.sync.incarnation = incarnation
@@ -233,8 +241,9 @@ class Faults:
         sim = self.sim
         latency = sim.config.network.latency_seconds
         for rnd in sim.syncer.policy.join(node.id, node.sync.step):
-            sim.clock.after(latency, sim.ask_arrive, node.id, node.incarnation, rnd.fragment,
-                            rnd.round_id)  # fmt: skip
+            sim.clock.after(
+                latency, sim.ask_arrive, node.id, node.incarnation, rnd.fragment, rnd.round_id
+            )
         for p in range(sim.plan.num_fragments):
             if sim.syncer.versions[p] > node.sync.versions[p]:
                 sim.send_latest(node, p)
