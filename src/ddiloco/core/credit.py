@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass, field
+from typing import Any
 
 from ddiloco.core.robust import credit_progress
 from ddiloco.errors import require
@@ -71,12 +72,9 @@ class StepBudget:
                 return 0, 0
             last = max(0, step - max(1, -(-tokens // tokens_per_step)))  # type: ignore[operator]
             state.step = last
+        claim: Any = (step, tokens)  # checked by credit_progress, which refuses non-ints
         steps, credited = credit_progress(
-            last,
-            step,
-            tokens,
-            tokens_per_step,  # type: ignore[arg-type]
-            state.allowance,
+            last, claim[0], claim[1], tokens_per_step, state.allowance
         )
         if steps:
             state.allowance -= steps

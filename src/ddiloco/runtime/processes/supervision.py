@@ -56,11 +56,33 @@ def tail(path: Path, lines: int = TAIL_LINES) -> list[str]:
 
 def reason(lines: list[str]) -> str:
     """What a log says went wrong: the process's own ``ddiloco <role>: error:`` line, else
-    its last non-empty line (a traceback's exception), else ''."""
+    torchrun's root cause (its failure report), else its last line with a word in it (a
+    traceback's exception, not a ruler of ``=``), else ''."""
     for line in reversed(lines):
         if line.startswith("ddiloco ") and ": error: " in line:
             return line.strip()
-    return next((line.strip() for line in reversed(lines) if line.strip()), "")[:500]
+    cause = torchrun_cause(lines)
+    if cause:
+        return cause
+    words = (line.strip() for line in reversed(lines) if any(c.isalnum() for c in line))
+    return next(words, "")[:500]
+
+
+def torchrun_cause(lines: list[str]) -> str:
+    """The first failure torchrun reports ("Root Cause (first observed failure)": rank,
+    exit code, traceback), in one line; '' if the lines hold no such report."""
+    starts = [i for i, line in enumerate(lines) if line.startswith("Root Cause")]
+    if not starts:
+        return ""
+    fields: dict[str, str] = {}
+    for line in lines[starts[-1] + 1 :]:
+        key, sep, value = line.partition(":")
+        if sep and value.strip():
+            fields.setdefault(key.strip(), value.strip())
+    rank, code = fields.get("rank", "?"), fields.get("exitcode", "?")
+    said = f"torchrun: rank {rank} failed, exitcode {' '.join(code.split())}"
+    why = fields.get("traceback", "")
+    return f"{said}: {why}"[:500] if why and why != "<N/A>" else said[:500]
 
 
 class LaunchError(DDiLoCoError):
@@ -96,8 +118,9 @@ class Verdict:
     def error(self, log: Path) -> LaunchError:
         lines = tail(log)
         said = reason(lines)
-        return LaunchError(self.process, self.code, self.why + (f": {said}" if said else ""),
-                           log, lines)  # fmt: skip
+        return LaunchError(
+            self.process, self.code, self.why + (f": {said}" if said else ""), log, lines
+        )
 
 
 @dataclass
@@ -169,11 +192,17 @@ def exited_record(
     """The ``exited`` event: the code, why (its log's last word), what happens next (no
     verdict: not restarted, e.g. a learner that finished, or ``processes.restart`` off)."""
     restart = verdict is not None and not verdict.give_up
-    return {"kind": "exited", "t": t, "process": name, "code": code,
-            "reason": reason(tail(log)), "restart": restart,
-            "delay": verdict.delay if restart and verdict else None,
-            "failures": verdict.failures if verdict else 0,
-            "gave_up": bool(verdict and verdict.give_up)}  # fmt: skip
+    return {
+        "kind": "exited",
+        "t": t,
+        "process": name,
+        "code": code,
+        "reason": reason(tail(log)),
+        "restart": restart,
+        "delay": verdict.delay if restart and verdict else None,
+        "failures": verdict.failures if verdict else 0,
+        "gave_up": bool(verdict and verdict.give_up),
+    }
 
 
 def own_summary(seen: dict[str, Any], t: float) -> dict[str, Any]:
@@ -182,11 +211,22 @@ def own_summary(seen: dict[str, Any], t: float) -> dict[str, Any]:
     merged, bytes, goodput) is 0 or NaN, and ``summary_source`` says so."""
     last = seen.get("eval") or {}
     nan = math.nan
-    return {"kind": "summary", "t": t, "summary_source": "launcher",
-            "eval_loss": last.get("loss", nan), "tokens": int(last.get("tokens", 0)),
-            "tokens_merged": 0.0, "tokens_wasted": {}, "goodput": nan, "uptime": nan,
-            "bytes_sent": 0, "bytes_received": 0, "rounds": int(seen.get("rounds", 0)),
-            "refused": {}, "ledger_balanced": False}  # fmt: skip
+    return {
+        "kind": "summary",
+        "t": t,
+        "summary_source": "launcher",
+        "eval_loss": last.get("loss", nan),
+        "tokens": int(last.get("tokens", 0)),
+        "tokens_merged": 0.0,
+        "tokens_wasted": {},
+        "goodput": nan,
+        "uptime": nan,
+        "bytes_sent": 0,
+        "bytes_received": 0,
+        "rounds": int(seen.get("rounds", 0)),
+        "refused": {},
+        "ledger_balanced": False,
+    }
 
 
 def descendant_groups(pid: int) -> list[int]:

@@ -1,0 +1,251 @@
+"""What every supervisor of real processes does, whatever it runs: the base of the launcher
+(a syncer and learners, :mod:`.launcher`) and of the data-parallel job (torchrun DDP,
+:mod:`.dp_job`).
+
+Owns: spawning children with ``subprocess`` (never forked from a process holding torch), each
+in its own process group, stderr into ``<home>/logs/<name>.log``; a reader thread per child
+relaying its ``@event`` lines into one queue; timers run on the supervisor's thread; signals
+to a child's group and, for a torchrun child, its ranks' groups (torchrun starts every rank in
+a session of its own); the straggler duty cycle (SIGSTOP/SIGCONT); the stop and interrupt
+flags a signal handler sets; shutdown (SIGTERM, then SIGKILL).
+
+Call order (a subclass's ``run``): spawn children, then loop on :meth:`Supervisor.pump`
+(timers due, then one event: the policy hears it, :meth:`Supervisor.handle` acts on it,
+then the hooks), :meth:`Supervisor.check_signals` between pumps, and :meth:`shutdown` in a
+``finally``. Everything but :meth:`interrupt` runs on the supervisor's thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import heapq
+import itertools
+import json
+import math
+import os
+import queue
+import secrets
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import IO, Any
+
+from ddiloco.chaos.plan import ChaosEvent
+from ddiloco.config import RunConfig
+from ddiloco.runtime.processes.common import EVENT_PREFIX
+from ddiloco.runtime.processes.supervision import (
+    RestartPolicy,
+    Verdict,
+    descendant_groups,
+    exited_record,
+)
+
+DUTY_PERIOD = 0.2  # seconds: one SIGSTOP/SIGCONT cycle of a straggler
+Hook = Callable[[Any, dict[str, Any]], None]
+
+
+class Supervisor:
+    """Children, their events, timers and signals for one method's run (see the module)."""
+
+    def __init__(
+        self,
+        config: RunConfig,
+        method: str,
+        out: Path,
+        emit: Callable[[dict[str, Any]], None],
+        hooks: Sequence[Hook] = (),
+        home: Path | None = None,
+    ) -> None:
+        self.config = config
+        self.method = method
+        self.out = out
+        self.emit = emit
+        self.home = home or out / "processes"  # config, logs and state of this method's run
+        self.logs = self.home / "logs"
+        self.logs.mkdir(parents=True, exist_ok=True)
+        self.run_id = f"{config.name}-{secrets.token_hex(4)}"
+        self.env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        self.t0 = time.time()
+        self.procs: dict[str, subprocess.Popen[str]] = {}
+        self.expected_exit: set[str] = set()  # killed or stopped on purpose
+        self.events: queue.SimpleQueue[tuple[str, dict[str, Any]]] = queue.SimpleQueue()
+        self._timers: list[tuple[float, int, Callable[[], None]]] = []
+        self._tie = itertools.count()
+        self.restarts: dict[str, int] = {}
+        p = config.processes
+        self.policy = RestartPolicy(
+            p.max_restarts, p.restart_delay_seconds, p.restart_backoff_cap_seconds
+        )
+        self.readers: dict[str, threading.Thread] = {}
+        self.hooks = list(hooks)  # called with every event, on the supervisor's thread
+        self.stop_requested = False
+        self.stop_deadline = math.inf  # monotonic: when a stop stops waiting for a summary
+        self.stop_signal: int | None = None  # the first SIGINT/SIGTERM (see interrupt)
+        self.abort = False  # a second signal: kill everything now
+        self.finished = threading.Event()  # the run is over: background chaos stops
+
+    # -- processes --------------------------------------------------------------------------
+    def _spawn(self, name: str, args: list[str], control: bool = False) -> None:
+        """Start ``name`` (unless its current life still runs): ``args`` is a ddiloco command
+        or, starting with ``-m``/``-c``, arguments to Python itself."""
+        old = self.procs.get(name)
+        if old is not None and old.poll() is None:
+            return
+        self.expected_exit.discard(name)
+        log = (self.logs / f"{name}.log").open("a", encoding="utf-8")
+        raw = args[0] in ("-m", "-c")  # a module or a program, else a ddiloco command
+        argv = [sys.executable, *(args if raw else ["-m", "ddiloco.cli", *args])]
+        proc = subprocess.Popen(
+            argv,
+            env=self.env,
+            stdout=subprocess.PIPE,
+            stderr=log,
+            text=True,
+            stdin=subprocess.PIPE if control else None,
+            start_new_session=True,
+        )  # its own process group
+        log.close()
+        self.procs[name] = proc
+        self.policy.started(name)
+        reader = threading.Thread(target=self._read, args=(name, proc.stdout), daemon=True)
+        self.readers[name] = reader
+        reader.start()
+        self.emit(
+            {
+                "kind": "started",
+                "t": self.now(),
+                "process": name,
+                "pid": proc.pid,
+                "run": self.run_id,
+            }
+        )
+
+    def _read(self, name: str, stream: IO[str] | None) -> None:
+        assert stream is not None
+        for line in stream:
+            if line.startswith(EVENT_PREFIX):
+                with contextlib.suppress(json.JSONDecodeError):
+                    self.events.put((name, json.loads(line[len(EVENT_PREFIX) :])))
+
+    def torchrun(self, name: str) -> bool:
+        """Is ``name`` a torchrun agent (whose ranks a signal must reach too)?"""
+        return False
+
+    def signal(self, name: str, sig: int) -> bool:
+        """Send ``sig`` to one of our own children: its process group (which it leads) and,
+        for a torchrun child, its ranks' groups. torchrun starts every rank in a session of
+        its own, so a signal to the torchrun group alone reaches no rank: a kill would leave
+        the ranks training as orphans, a freeze or slowdown would stop only torchrun. The
+        ranks are found through /proc (Linux), before any of them is signalled."""
+        proc = self.procs.get(name)
+        if proc is None or proc.poll() is not None:
+            return False
+        if sig in (signal.SIGKILL, signal.SIGTERM):
+            self.expected_exit.add(name)
+        groups = descendant_groups(proc.pid) if self.torchrun(name) else []
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return False
+        for group in groups:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(group, sig)
+        return True
+
+    def thaw(self, name: str) -> None:
+        self.signal(name, signal.SIGCONT)
+
+    def after(self, seconds: float, action: Callable[[], None]) -> None:
+        heapq.heappush(self._timers, (time.monotonic() + seconds, next(self._tie), action))
+
+    def now(self) -> float:
+        return time.time() - self.t0
+
+    def duty_cycle(self, send: Callable[[int], bool], factor: float, duration: float) -> None:
+        """A straggler (run it on a thread): ``send`` SIGSTOP then SIGCONT so its target runs
+        1/factor of the time, for ``duration`` seconds (0: to the end of the run). ``send``
+        finds the target anew each cycle (whichever process holds the slot now)."""
+        stopped = DUTY_PERIOD * (1.0 - 1.0 / factor)
+        end = time.monotonic() + duration if duration > 0 else float("inf")
+        while time.monotonic() < end and not self.finished.is_set():
+            if send(signal.SIGSTOP):
+                time.sleep(stopped)
+                send(signal.SIGCONT)
+            time.sleep(DUTY_PERIOD - stopped)
+
+    # -- chaos ------------------------------------------------------------------------------
+    def schedule_chaos(self, events: Sequence[ChaosEvent]) -> None:
+        """Play each event (:meth:`play`) at its ``at``, wall seconds since the launch."""
+        for event in events:
+            self.after(max(0.0, event.at - self.now()), functools.partial(self.play, event))
+
+    def play(self, event: ChaosEvent) -> None:
+        """Play one chaos event now, and emit its ``chaos`` record (the subclass's way)."""
+        raise NotImplementedError
+
+    # -- stopping ---------------------------------------------------------------------------
+    def request_stop(self) -> None:
+        """End the run now, with a summary (the subclass's way); on the supervisor's thread."""
+        raise NotImplementedError
+
+    def interrupt(self, signum: int) -> None:
+        """For a SIGINT/SIGTERM handler (it only sets flags; the supervisor's loop acts): the
+        first asks for a clean stop, the second for everything killed at once."""
+        if self.stop_signal is None:
+            self.stop_signal = signum
+        else:
+            self.abort = True
+
+    def check_signals(self) -> None:
+        if self.abort:
+            raise KeyboardInterrupt  # run()'s cleanup kills every process group
+        if self.stop_signal is not None and not self.stop_requested:
+            self.request_stop()
+
+    # -- events -----------------------------------------------------------------------------
+    def pump(self, timeout: float) -> None:
+        """Run the timers that are due, then handle one event (waiting up to ``timeout``)."""
+        while self._timers and self._timers[0][0] <= time.monotonic():
+            heapq.heappop(self._timers)[2]()
+        try:
+            name, record = self.events.get(timeout=timeout)
+        except queue.Empty:
+            return
+        self.policy.heard(name, str(record.get("kind")))
+        self.handle(name, record)
+        for hook in self.hooks:
+            hook(self, record)
+
+    def handle(self, name: str, record: dict[str, Any]) -> None:
+        """Act on one event of child ``name`` (relay it, count it)."""
+
+    def settle(self, name: str) -> None:
+        """After ``name`` exited: wait (2 s at most) until its reader has queued its last
+        lines, so its last words are handled before its exit is judged."""
+        reader = self.readers.get(name)
+        if reader is not None:
+            reader.join(timeout=2.0)
+
+    def exited(self, name: str, code: int, verdict: Verdict | None) -> None:
+        """The ``exited`` record: the code, why (its log's last word), what happens next."""
+        self.emit(exited_record(name, code, verdict, self.logs / f"{name}.log", self.now()))
+
+    def shutdown(self) -> None:
+        """Stop every child's process group (torchrun ranks included, see :meth:`signal`):
+        SIGTERM, then SIGKILL after 5 s, or at once after a second signal (``abort``)."""
+        self.finished.set()
+        for name in self.procs:
+            self.signal(name, signal.SIGCONT)  # a frozen child cannot die of SIGTERM
+            self.signal(name, signal.SIGKILL if self.abort else signal.SIGTERM)
+        deadline = time.monotonic() + 5.0
+        for name, proc in self.procs.items():
+            while proc.poll() is None and time.monotonic() < deadline and not self.abort:
+                time.sleep(0.05)
+            if proc.poll() is None:
+                self.signal(name, signal.SIGKILL)
+                proc.wait()
