@@ -30,10 +30,11 @@ from pathlib import Path
 import zmq
 
 from ddiloco.config import load_config, to_toml
-from ddiloco.runtime.processes.auth import present
-from ddiloco.runtime.processes.common import EVENT_PREFIX, SECRET_ENV
-from ddiloco.runtime.processes.launcher import free_port
-from ddiloco.runtime.processes.wire import Wire
+from ddiloco.runtime.processes.launcher.fragments import free_port
+from ddiloco.runtime.processes.transport.auth import present
+from ddiloco.runtime.processes.transport.events import EVENT_PREFIX
+from ddiloco.runtime.processes.transport.sockets import SECRET_ENV
+from ddiloco.runtime.processes.transport.wire import Wire
 
 SECRET = os.urandom(32)
 RUN = "flood"

@@ -29,9 +29,10 @@ from pathlib import Path
 import torch
 
 from ddiloco.config import load_config, to_toml
-from ddiloco.runtime.processes.common import SECRET_ENV, Events
-from ddiloco.runtime.processes.launcher import free_port
-from ddiloco.runtime.processes.learner_process import LearnerProcess
+from ddiloco.runtime.processes.launcher.fragments import free_port
+from ddiloco.runtime.processes.learner.process import LearnerProcess
+from ddiloco.runtime.processes.transport.events import Events
+from ddiloco.runtime.processes.transport.sockets import SECRET_ENV
 from ddiloco.runtime.run import RunSetup
 
 

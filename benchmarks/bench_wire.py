@@ -50,8 +50,8 @@ def serve(kind: str, port: int, count: int) -> None:
     if kind != "grpc":
         import zmq
 
-        from ddiloco.runtime.processes.auth import Gatekeeper, serve_plain
-        from ddiloco.runtime.processes.wire import Limits, Wire
+        from ddiloco.runtime.processes.transport.auth import Gatekeeper, serve_plain
+        from ddiloco.runtime.processes.transport.wire import Limits, Wire
 
         ctx = zmq.Context()
         if kind.endswith("+wire"):
@@ -104,9 +104,9 @@ def client(kind: str, port: int, count: int, payloads: list[bytes]) -> float:
     elif kind != "grpc":
         import zmq
 
-        from ddiloco.runtime.processes.auth import present
-        from ddiloco.runtime.processes.shm import ShmWriter
-        from ddiloco.runtime.processes.wire import Wire
+        from ddiloco.runtime.processes.transport.auth import present
+        from ddiloco.runtime.processes.transport.shm import ShmWriter
+        from ddiloco.runtime.processes.transport.wire import Wire
 
         ctx = zmq.Context()
         sock = ctx.socket(zmq.DEALER)
@@ -153,7 +153,7 @@ def handshakes(count: int, authenticated: bool) -> float:
 
     import zmq
 
-    from ddiloco.runtime.processes.auth import Bounds, Gatekeeper, present, serve_plain
+    from ddiloco.runtime.processes.transport.auth import Bounds, Gatekeeper, present, serve_plain
 
     ctx = zmq.Context()
     unbounded = Bounds(burst=1 << 30, per_second=1e9)  # time the handshake, not its limiter
@@ -245,7 +245,7 @@ def main() -> None:
     results = {kind: statistics.median(v) for kind, v in rates.items() if v}
     for kind, rate in results.items():
         print(f"{kind:9s} {rate / 1e9:6.2f} GB/s (median of {len(rates[kind])})")
-    from ddiloco.runtime.processes.shm import remove_run_directory
+    from ddiloco.runtime.processes.transport.shm import remove_run_directory
 
     remove_run_directory(RUN)
     if rates.get("raw"):  # per round, each case against the raw socket of that round

@@ -39,8 +39,8 @@ import torch
 from ddiloco.config import load_config
 from ddiloco.core.ledger import TokenLedger
 from ddiloco.errors import DDiLoCoError
-from ddiloco.runtime.processes.launcher import RELAYED, Launcher
-from ddiloco.runtime.processes.store import SyncerStore, recompute
+from ddiloco.runtime.processes.launcher.fragments import RELAYED, Launcher
+from ddiloco.runtime.processes.syncer.store import SyncerStore, recompute
 
 OVERRIDES = [
     "model='gpt-tiny'",

@@ -16,10 +16,11 @@ from typing import Any
 import zmq
 
 from ddiloco.config import load_config, to_toml
-from ddiloco.runtime.processes.auth import present
-from ddiloco.runtime.processes.common import EVENT_PREFIX, SECRET_ENV
-from ddiloco.runtime.processes.launcher import free_port
-from ddiloco.runtime.processes.wire import Message, Wire, WireError
+from ddiloco.runtime.processes.launcher.fragments import free_port
+from ddiloco.runtime.processes.transport.auth import present
+from ddiloco.runtime.processes.transport.events import EVENT_PREFIX
+from ddiloco.runtime.processes.transport.sockets import SECRET_ENV
+from ddiloco.runtime.processes.transport.wire import Message, Wire, WireError
 
 SECRET = bytes(range(32))
 RUN = "r1"

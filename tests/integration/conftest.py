@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from ddiloco.config import RunConfig
-from ddiloco.runtime.processes.launcher import Launcher
+from ddiloco.runtime.processes.launcher.fragments import Launcher
 
 Records = list[dict[str, Any]]
 

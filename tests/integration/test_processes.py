@@ -15,8 +15,8 @@ import torch
 from ddiloco.commands.train import train
 from ddiloco.config import RunConfig, load_config
 from ddiloco.core.ledger import TokenLedger
-from ddiloco.runtime.processes.launcher import Launcher
-from ddiloco.runtime.processes.store import SyncerStore, recompute
+from ddiloco.runtime.processes.launcher.fragments import Launcher
+from ddiloco.runtime.processes.syncer.store import SyncerStore, recompute
 
 BASE = [
     "model='gpt-tiny'",

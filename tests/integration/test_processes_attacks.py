@@ -17,9 +17,9 @@ from attackers import RUN, SECRET, Insider, SyncerProcess, rss_bytes
 from ddiloco.core.codec import CodecSpec, encode_tensors
 from ddiloco.core.plans import gather
 from ddiloco.errors import FATAL_EXIT
-from ddiloco.runtime.processes.common import SECRET_ENV
-from ddiloco.runtime.processes.launcher import free_port
-from ddiloco.runtime.processes.wire import FLAG_SHM, PREFIX, VERSION, Wire, decode_update
+from ddiloco.runtime.processes.launcher.fragments import free_port
+from ddiloco.runtime.processes.transport.sockets import SECRET_ENV
+from ddiloco.runtime.processes.transport.wire import FLAG_SHM, PREFIX, VERSION, Wire, decode_update
 from ddiloco.runtime.run import RunSetup
 
 

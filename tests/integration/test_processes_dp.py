@@ -18,15 +18,15 @@ from ddiloco.commands.train import train
 from ddiloco.config import load_config
 from ddiloco.errors import FATAL_EXIT, ConfigError
 from ddiloco.report.summary import REQUIRED
-from ddiloco.runtime.processes.dp_job import DataParallelJob
-from ddiloco.runtime.processes.dp_worker import (
+from ddiloco.runtime.processes.launcher.data_parallel import DataParallelJob
+from ddiloco.runtime.processes.launcher.data_parallel_worker import (
     CheckpointError,
     latest,
     read_checkpoint,
     write_checkpoint,
 )
-from ddiloco.runtime.processes.launcher import Launcher
-from ddiloco.runtime.processes.supervision import LaunchError
+from ddiloco.runtime.processes.launcher.fragments import Launcher
+from ddiloco.runtime.processes.launcher.supervision import LaunchError
 
 BASE = [
     "model='gpt-tiny'",

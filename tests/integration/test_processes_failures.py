@@ -24,10 +24,10 @@ import pytest
 from ddiloco.commands.train import train
 from ddiloco.config import load_config, to_toml
 from ddiloco.errors import FATAL_EXIT, DDiLoCoError
-from ddiloco.runtime.processes import launcher as launcher_module
-from ddiloco.runtime.processes.launcher import SYNCER, Launcher
-from ddiloco.runtime.processes.shm import run_directory
-from ddiloco.runtime.processes.supervision import LaunchError
+from ddiloco.runtime.processes.launcher import fragments as launcher_module
+from ddiloco.runtime.processes.launcher.fragments import SYNCER, Launcher
+from ddiloco.runtime.processes.launcher.supervision import LaunchError
+from ddiloco.runtime.processes.transport.shm import run_directory
 
 BASE = [
     "model='gpt-tiny'",

@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 
 from ddiloco.config import load_config
-from ddiloco.runtime.processes.launcher import Launcher
-from ddiloco.runtime.processes.store import SyncerStore, recompute
+from ddiloco.runtime.processes.launcher.fragments import Launcher
+from ddiloco.runtime.processes.syncer.store import SyncerStore, recompute
 
 FAULTS = "drop=0.02,duplicate=0.05,corrupt=0.03,truncate=0.02,delay=0.05,delay_seconds=0.05"
 

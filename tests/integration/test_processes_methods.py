@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from ddiloco.config import load_config
-from ddiloco.runtime.processes.launcher import Launcher
+from ddiloco.runtime.processes.launcher.fragments import Launcher
 
 BASE = [
     "model='gpt-tiny'",

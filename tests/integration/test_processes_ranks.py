@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from ddiloco.config import load_config
-from ddiloco.runtime.processes.launcher import Launcher
+from ddiloco.runtime.processes.launcher.fragments import Launcher
 
 
 def test_a_torchrun_learner_keeps_its_ranks_identical_and_counts_their_tokens(tmp_path):

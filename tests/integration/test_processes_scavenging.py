@@ -7,7 +7,7 @@ from typing import Any
 
 from ddiloco.chaos.plan import ChaosEvent
 from ddiloco.config import load_config
-from ddiloco.runtime.processes.launcher import Launcher
+from ddiloco.runtime.processes.launcher.fragments import Launcher
 
 
 def test_a_scavenged_learner_joins_copies_a_peer_contributes_and_leaves_cleanly(tmp_path):

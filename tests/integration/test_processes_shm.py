@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from ddiloco.config import load_config
-from ddiloco.runtime.processes.launcher import SYNCER, Launcher
+from ddiloco.runtime.processes.launcher.fragments import SYNCER, Launcher
 
 BASE = [
     "model='gpt-tiny'",

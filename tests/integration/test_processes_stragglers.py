@@ -16,7 +16,7 @@ from typing import Any
 
 from ddiloco.chaos.plan import ChaosEvent
 from ddiloco.config import load_config
-from ddiloco.runtime.processes.launcher import Launcher
+from ddiloco.runtime.processes.launcher.fragments import Launcher
 
 BASE = [
     "model='gpt-tiny'",

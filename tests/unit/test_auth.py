@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import zmq
 
-from ddiloco.runtime.processes.auth import Bounds, Gatekeeper, credential, learner_of
+from ddiloco.runtime.processes.transport.auth import Bounds, Gatekeeper, credential, learner_of
 
 SECRET = b"g" * 32
 

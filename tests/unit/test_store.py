@@ -17,7 +17,7 @@ from ddiloco.core.plans import build_plan, tensor_specs
 from ddiloco.core.rounds import AnswerMeta
 from ddiloco.core.syncer_state import SyncerConfig, SyncerState
 from ddiloco.models.registry import build_model
-from ddiloco.runtime.processes.store import (
+from ddiloco.runtime.processes.syncer.store import (
     FragmentRecord,
     StoreError,
     SyncerStore,
@@ -111,7 +111,7 @@ def test_the_journal_drops_a_torn_tail_and_merges_never_broadcast(tmp_path):
 WRITER = textwrap.dedent(
     """
     import sys, torch
-    from ddiloco.runtime.processes.store import FragmentRecord, SyncerStore
+    from ddiloco.runtime.processes.syncer.store import FragmentRecord, SyncerStore
     store = SyncerStore(sys.argv[1])
     v = 0
     print("go", flush=True)

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from ddiloco.config import load_config
-from ddiloco.runtime.processes import store as store_mod
-from ddiloco.runtime.processes.store import (
+from ddiloco.runtime.processes.syncer import store as store_mod
+from ddiloco.runtime.processes.syncer.store import (
     FragmentRecord,
     StoreError,
     SyncerStore,

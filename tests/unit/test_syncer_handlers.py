@@ -12,9 +12,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ddiloco.config import load_config
-from ddiloco.runtime.processes.common import Events
-from ddiloco.runtime.processes.launcher import free_port
-from ddiloco.runtime.processes.syncer_service import SyncerService
+from ddiloco.runtime.processes.launcher.fragments import free_port
+from ddiloco.runtime.processes.syncer.service import SyncerService
+from ddiloco.runtime.processes.transport.events import Events
 from ddiloco.runtime.run import RunSetup
 
 FIELDS = [

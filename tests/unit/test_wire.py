@@ -10,7 +10,7 @@ import torch
 from blake3 import blake3
 
 from ddiloco.core.codec import CodecSpec, encode_tensors
-from ddiloco.runtime.processes.wire import (
+from ddiloco.runtime.processes.transport.wire import (
     PREFIX,
     VERSION,
     Limits,

@@ -11,8 +11,8 @@ import pytest
 import zmq
 
 from ddiloco.errors import ConfigError
-from ddiloco.runtime.processes.auth import Gatekeeper, present, serve_plain
-from ddiloco.runtime.processes.proxy import (
+from ddiloco.runtime.processes.transport.auth import Gatekeeper, present, serve_plain
+from ddiloco.runtime.processes.transport.proxy import (
     DOWN,
     UP,
     FaultProxy,
@@ -21,7 +21,7 @@ from ddiloco.runtime.processes.proxy import (
     LinkShaper,
     parse_command,
 )
-from ddiloco.runtime.processes.wire import Wire, WireError
+from ddiloco.runtime.processes.transport.wire import Wire, WireError
 
 SECRET = b"k" * 32
 AUTH = {"run": "r", "secret": SECRET}

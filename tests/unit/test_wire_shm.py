@@ -7,8 +7,8 @@ import uuid
 
 import pytest
 
-from ddiloco.runtime.processes import shm
-from ddiloco.runtime.processes.wire import FLAG_SHM, PREFIX, Wire, WireError, payload_size
+from ddiloco.runtime.processes.transport import shm
+from ddiloco.runtime.processes.transport.wire import FLAG_SHM, PREFIX, Wire, WireError, payload_size
 
 SECRET = b"s" * 32
 BIG = shm.MIN_BYTES * 2

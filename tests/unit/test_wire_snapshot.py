@@ -9,7 +9,7 @@ from ddiloco.core.learner_state import LearnerSync
 from ddiloco.core.plans import build_plan, tensor_specs
 from ddiloco.data.corpus import BatchStream
 from ddiloco.models.registry import build_model
-from ddiloco.runtime.processes.common import pack_tree, unpack_tree
+from ddiloco.runtime.processes.transport.tree import pack_tree, unpack_tree
 from ddiloco.trainer import Trainer
 
 

@@ -15,7 +15,8 @@ import time
 from ddiloco.commands.syncer import add_common
 from ddiloco.config import load_config
 from ddiloco.errors import require
-from ddiloco.runtime.processes.common import Events, load_secret, parse_address
+from ddiloco.runtime.processes.transport.events import Events
+from ddiloco.runtime.processes.transport.sockets import load_secret, parse_address
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -43,7 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from ddiloco.runtime.processes.learner_process import LearnerProcess
+    from ddiloco.runtime.processes.learner.process import LearnerProcess
     from ddiloco.runtime.run import RunSetup
 
     torch.set_num_threads(1)

@@ -16,7 +16,8 @@ from pathlib import Path
 
 from ddiloco.commands import add_config_arguments
 from ddiloco.config import load_config
-from ddiloco.runtime.processes.common import Events, load_secret, parse_address
+from ddiloco.runtime.processes.transport.events import Events
+from ddiloco.runtime.processes.transport.sockets import load_secret, parse_address
 
 
 def add_common(parser: argparse.ArgumentParser) -> None:
@@ -58,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     import torch
 
-    from ddiloco.runtime.processes.syncer_service import SyncerService
+    from ddiloco.runtime.processes.syncer.service import SyncerService
     from ddiloco.runtime.run import RunSetup
 
     torch.set_num_threads(max(1, args.threads))

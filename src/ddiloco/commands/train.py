@@ -44,8 +44,8 @@ from ddiloco.runtime.sim.engine import FragmentSim
 from ddiloco.trainer import sequence_length
 
 if TYPE_CHECKING:
-    from ddiloco.runtime.processes.dp_job import DataParallelJob
-    from ddiloco.runtime.processes.launcher import Launcher
+    from ddiloco.runtime.processes.launcher.data_parallel import DataParallelJob
+    from ddiloco.runtime.processes.launcher.fragments import Launcher
 
 # What --runtime processes runs: every fragment method (syncer + learner processes) and the
 # data-parallel baseline (torchrun DDP); elastic_dp only on the simulated clock.
@@ -93,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
     config = resolve(args)
     out = Path(args.out or f"runs/{config.name}-{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
-    from ddiloco.runtime.processes.supervision import LaunchError
+    from ddiloco.runtime.processes.launcher.supervision import LaunchError
 
     try:
         summaries = train(config, out, quiet=args.quiet)
@@ -118,7 +118,7 @@ def train(config: RunConfig, out: Path, quiet: bool = False) -> list[dict[str, A
     torch.set_num_threads(max(1, min(torch.get_num_threads(), 2)))
     processes = config.runtime == "processes"
     if processes:  # refuse what cannot train before any process starts (or crash-loops)
-        from ddiloco.runtime.processes import preflight
+        from ddiloco.runtime.processes.launcher import preflight
 
         seq_len = preflight.check(config, config.methods[0]).seq_len
     else:
@@ -169,10 +169,10 @@ def process_job(
 ) -> Launcher | DataParallelJob:
     """One method's real processes: a syncer and learners, or a torchrun DDP job."""
     if method_for(config, method).fragments:
-        from ddiloco.runtime.processes.launcher import Launcher
+        from ddiloco.runtime.processes.launcher.fragments import Launcher
 
         return Launcher(config, method, out, emit)
-    from ddiloco.runtime.processes.dp_job import DataParallelJob
+    from ddiloco.runtime.processes.launcher.data_parallel import DataParallelJob
 
     return DataParallelJob(config, method, out, emit)
 
@@ -201,7 +201,7 @@ def stopping_on_signals(launcher: Launcher | DataParallelJob) -> Iterator[None]:
 
 def exited_line(method: str, r: dict[str, Any]) -> str:
     """A process that exited on its own, for the terminal: what it said, what happens next."""
-    from ddiloco.runtime.processes.supervision import describe
+    from ddiloco.runtime.processes.launcher.supervision import describe
 
     said = f" ({r['reason']})" if r.get("reason") else ""
     if r["restart"]:

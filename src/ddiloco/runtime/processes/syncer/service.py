@@ -49,25 +49,32 @@ from ddiloco.core.rounds import UNSOLICITED, AnswerMeta, Verdict
 from ddiloco.core.syncer_state import MergeResult, SyncerState
 from ddiloco.errors import ConfigError, DDiLoCoError
 from ddiloco.report.summary import Uptime
-from ddiloco.runtime.processes import messages
-from ddiloco.runtime.processes.auth import (
-    Gatekeeper,
-    HandshakeCounter,
-    learner_of,
-    serve_plain,
-)
-from ddiloco.runtime.processes.common import Events, Socket, configure, new_session
-from ddiloco.runtime.processes.evaluator import Evaluator
-from ddiloco.runtime.processes.ratelog import RateLimitedLog
-from ddiloco.runtime.processes.shm import writer_for
-from ddiloco.runtime.processes.store import (
+from ddiloco.runtime.processes.syncer import messages
+from ddiloco.runtime.processes.syncer.evaluator import Evaluator
+from ddiloco.runtime.processes.syncer.store import (
     SyncerStore,
     fingerprint_of,
     journal_header,
     record_of,
     restore,
 )
-from ddiloco.runtime.processes.wire import Limits, Wire, WireError, decode_update, payload_size
+from ddiloco.runtime.processes.transport.auth import (
+    Gatekeeper,
+    HandshakeCounter,
+    learner_of,
+    serve_plain,
+)
+from ddiloco.runtime.processes.transport.events import Events
+from ddiloco.runtime.processes.transport.ratelog import RateLimitedLog
+from ddiloco.runtime.processes.transport.shm import writer_for
+from ddiloco.runtime.processes.transport.sockets import Socket, configure, new_session
+from ddiloco.runtime.processes.transport.wire import (
+    Limits,
+    Wire,
+    WireError,
+    decode_update,
+    payload_size,
+)
 from ddiloco.runtime.run import RunSetup
 
 log = logging.getLogger(__name__)

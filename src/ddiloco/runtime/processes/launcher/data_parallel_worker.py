@@ -1,15 +1,16 @@
 """One rank of the data-parallel baseline on real processes: torchrun DDP with checkpoints.
 
-Run by torchrun (:mod:`.dp_job` starts it): ``python -m ddiloco.runtime.processes.dp_worker
---config PATH --out DIR --t0 T --method data_parallel``. Every rank builds the one run
-assembly (:class:`~ddiloco.runtime.run.RunSetup`: Theta_0 from the seed, the same on every
-rank), wraps the model in ``DistributedDataParallel`` (gloo on CPU; NCCL on CUDA, each rank
-on ``cuda:LOCAL_RANK``) and trains it with the shared :class:`~ddiloco.trainer.Trainer`.
-Rank r is rank ``r % processes.ranks`` of replica ``m = r // processes.ranks``: it draws from
-shard m with the seed learner m's rank draws with under the launcher, ``train.batch_size``
-sequences a step, so the global batch is every rank's. It stops at ``train.tokens`` (all
-ranks together), at ``train.max_virtual_seconds`` wall seconds since the launch if set, or
-when rank 0 gets SIGUSR1 (the job's clean stop); rank 0 decides and every rank follows.
+Run by torchrun (:mod:`.data_parallel` starts it):
+``python -m ddiloco.runtime.processes.launcher.data_parallel_worker --config PATH --out DIR
+--t0 T --method data_parallel``. Every rank builds the one run assembly
+(:class:`~ddiloco.runtime.run.RunSetup`: Theta_0 from the seed, the same on every rank), wraps
+the model in ``DistributedDataParallel`` (gloo on CPU; NCCL on CUDA, each rank on
+``cuda:LOCAL_RANK``) and trains it with the shared :class:`~ddiloco.trainer.Trainer`. Rank r is
+rank ``r % processes.ranks`` of replica ``m = r // processes.ranks``: it draws from shard m
+with the seed learner m's rank draws with under the launcher, ``train.batch_size`` sequences a
+step, so the global batch is every rank's. It stops at ``train.tokens`` (all ranks together),
+at ``train.max_virtual_seconds`` wall seconds since the launch if set, or when rank 0 gets
+SIGUSR1 (the job's clean stop); rank 0 decides and every rank follows.
 
 Checkpoints (every ``dp.checkpoint_every`` steps, rank 0 writes them, the data positions of
 every rank gathered first): ``<out>/checkpoints/ckpt-<step>.bin``, written to a temp file,
@@ -48,7 +49,8 @@ from torch.nn.parallel import DistributedDataParallel
 from ddiloco.config import RunConfig, load_config
 from ddiloco.data.corpus import BatchStream
 from ddiloco.errors import FATAL_EXIT, ConfigError, DDiLoCoError
-from ddiloco.runtime.processes.common import Events, pack_tree, unpack_tree
+from ddiloco.runtime.processes.transport.events import Events
+from ddiloco.runtime.processes.transport.tree import pack_tree, unpack_tree
 from ddiloco.runtime.run import RunSetup
 from ddiloco.trainer import Trainer, evaluate, pick_device
 

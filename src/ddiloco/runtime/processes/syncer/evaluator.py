@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from ddiloco.runtime.processes.common import Events
+from ddiloco.runtime.processes.transport.events import Events
 from ddiloco.runtime.run import RunSetup
 
 log = logging.getLogger(__name__)

@@ -31,12 +31,14 @@ from ddiloco.core.boundary import StepBoundary
 from ddiloco.core.learner_state import LearnerSync
 from ddiloco.data.corpus import BatchStream
 from ddiloco.errors import ConfigError
-from ddiloco.runtime.processes.common import Events, new_session, pack_tree, unpack_tree
-from ddiloco.runtime.processes.link import SyncerLink
-from ddiloco.runtime.processes.peer import PeerError, SnapshotServer, fetch_snapshot
-from ddiloco.runtime.processes.ranks import Apply, RankGroup
-from ddiloco.runtime.processes.shm import writer_for
-from ddiloco.runtime.processes.wire import Limits, Wire
+from ddiloco.runtime.processes.learner.link import SyncerLink
+from ddiloco.runtime.processes.learner.peer import PeerError, SnapshotServer, fetch_snapshot
+from ddiloco.runtime.processes.learner.ranks import Apply, RankGroup
+from ddiloco.runtime.processes.transport.events import Events
+from ddiloco.runtime.processes.transport.shm import writer_for
+from ddiloco.runtime.processes.transport.sockets import new_session
+from ddiloco.runtime.processes.transport.tree import pack_tree, unpack_tree
+from ddiloco.runtime.processes.transport.wire import Limits, Wire
 from ddiloco.runtime.run import RunSetup
 from ddiloco.trainer import Trainer
 

@@ -24,7 +24,7 @@ writes the summary from what it heard (``summary_source: launcher``); a second s
 every process group at once.
 
 Any fragment method runs so (``decoupled``, ``decoupled_sync``, ``streaming``, ``diloco``);
-the data-parallel baselines are :mod:`.dp_job`'s. Spawning, event relaying, timers, signals
+the data-parallel baselines are :mod:`.data_parallel`'s. Spawning, event relaying, timers, signals
 and shutdown are :class:`~.supervisor.Supervisor`'s, shared with that job. ``decoupled``
 keeps its files under ``<run>/processes/``, every other method under
 ``<run>/processes/<method>/``.
@@ -54,11 +54,11 @@ from ddiloco.errors import FATAL_EXIT as FATAL_EXIT  # re-exported: what a proce
 from ddiloco.errors import ConfigError
 from ddiloco.methods import method_for
 from ddiloco.report.summary import summary as report_summary
-from ddiloco.runtime.processes.common import SECRET_ENV, parse_address
-from ddiloco.runtime.processes.proxy import Faults
-from ddiloco.runtime.processes.shm import remove_run_directory
-from ddiloco.runtime.processes.supervision import own_summary
-from ddiloco.runtime.processes.supervisor import Supervisor
+from ddiloco.runtime.processes.launcher.supervision import own_summary
+from ddiloco.runtime.processes.launcher.supervisor import Supervisor
+from ddiloco.runtime.processes.transport.proxy import Faults
+from ddiloco.runtime.processes.transport.shm import remove_run_directory
+from ddiloco.runtime.processes.transport.sockets import SECRET_ENV, parse_address
 
 RELAYED = (
     "step",
@@ -147,7 +147,7 @@ class Launcher(Supervisor):
         assert self.faults is not None
         cmd = [
             "-m",
-            "ddiloco.runtime.processes.proxy",
+            "ddiloco.runtime.processes.transport.proxy",
             "--listen",
             self.learner_address,
             "--target",

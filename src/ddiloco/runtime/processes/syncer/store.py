@@ -32,8 +32,8 @@ previous file, or the journal's previous length. The directory is 0700, every fi
 
 This module is the store's public API (:class:`SyncerStore`, :func:`record_of`,
 :func:`restore`): when each file is written, and what a restart may trust. The bytes are
-:mod:`~ddiloco.runtime.processes.store_format`'s (fragment, ledger and manifest files) and
-:mod:`~ddiloco.runtime.processes.store_journal`'s (the journal, its cuts, the audits); every
+:mod:`~ddiloco.runtime.processes.syncer.store_format`'s (fragment, ledger and manifest files) and
+:mod:`~ddiloco.runtime.processes.syncer.store_journal`'s (the journal, its cuts, the audits); every
 public name of both is importable from here.
 """
 
@@ -56,9 +56,9 @@ from ddiloco.core.syncer_state import SyncerState
 from ddiloco.errors import ConfigError
 
 # Re-exported for the damage tests, which forge files with them.
-from ddiloco.runtime.processes.store_format import _CRC as _CRC
-from ddiloco.runtime.processes.store_format import _HEAD as _HEAD
-from ddiloco.runtime.processes.store_format import (
+from ddiloco.runtime.processes.syncer.store_format import _CRC as _CRC
+from ddiloco.runtime.processes.syncer.store_format import _HEAD as _HEAD
+from ddiloco.runtime.processes.syncer.store_format import (
     _NAME,
     MAGIC,
     MANIFEST,
@@ -75,7 +75,7 @@ from ddiloco.runtime.processes.store_format import (
     _unpack,
     fingerprint_of,
 )
-from ddiloco.runtime.processes.store_journal import (
+from ddiloco.runtime.processes.syncer.store_journal import (
     JOURNAL_MAGIC,
     Journal,
     _journal_bytes,

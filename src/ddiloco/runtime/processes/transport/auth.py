@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 import zmq
 
-from ddiloco.runtime.processes.ratelog import RateLimitedLog
+from ddiloco.runtime.processes.transport.ratelog import RateLimitedLog
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ line: ``{"link": 2, "cut_seconds": 5.0}`` or ``{"link": 2, "factor": 4.0, "secon
 (0: to the end); a bad one is logged and ignored. Run by the launcher when
 ``processes.proxy`` is set or the plan has link faults, or by hand::
 
-    python -m ddiloco.runtime.processes.proxy --listen 127.0.0.1:6000 \
+    python -m ddiloco.runtime.processes.transport.proxy --listen 127.0.0.1:6000 \
         --target 127.0.0.1:5555 --run-id RUN --faults drop=0.01,corrupt=0.01
 """
 
@@ -45,8 +45,9 @@ import zmq
 from ddiloco.config import NetworkConfig
 from ddiloco.core.links import Links
 from ddiloco.errors import ConfigError, require
-from ddiloco.runtime.processes.auth import Gatekeeper, learner_of, present, serve_plain
-from ddiloco.runtime.processes.common import EVENT_PREFIX, Socket, load_secret
+from ddiloco.runtime.processes.transport.auth import Gatekeeper, learner_of, present, serve_plain
+from ddiloco.runtime.processes.transport.events import EVENT_PREFIX
+from ddiloco.runtime.processes.transport.sockets import Socket, load_secret
 
 log = logging.getLogger(__name__)
 

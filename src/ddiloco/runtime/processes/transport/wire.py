@@ -44,8 +44,8 @@ from blake3 import blake3
 
 from ddiloco.core.codec import decode_tensors
 from ddiloco.errors import CodecError, DDiLoCoError
-from ddiloco.runtime.processes.ratelog import RateLimitedLog
-from ddiloco.runtime.processes.shm import ShmExpired, ShmMissing, ShmReader, ShmWriter
+from ddiloco.runtime.processes.transport.ratelog import RateLimitedLog
+from ddiloco.runtime.processes.transport.shm import ShmExpired, ShmMissing, ShmReader, ShmWriter
 
 log = logging.getLogger(__name__)
 

@@ -36,9 +36,9 @@ import zmq
 
 from ddiloco.core.codec import CodecSpec, encode_tensors
 from ddiloco.core.learner_state import Answer
-from ddiloco.runtime.processes.auth import HandshakeWatch, present
-from ddiloco.runtime.processes.common import Backoff, Socket, configure
-from ddiloco.runtime.processes.wire import (
+from ddiloco.runtime.processes.transport.auth import HandshakeWatch, present
+from ddiloco.runtime.processes.transport.sockets import Backoff, Socket, configure
+from ddiloco.runtime.processes.transport.wire import (
     FLAG_SHM,
     PREFIX,
     Part,

@@ -4,8 +4,8 @@ torchrun's own restart, under the same chaos plan as the fragment methods.
 :class:`DataParallelJob` starts ``torchrun --standalone --nproc-per-node W --max-restarts N``
 (W = ``train.learners`` x ``processes.ranks``; N = ``processes.max_restarts`` plus one for
 every crash the plan holds, so planned kills do not use up the budget for real failures)
-running :mod:`.dp_worker`, relays its rank 0's events into the run's metrics, and plays the
-plan on the ranks of replica m (``learner = m``): crash = SIGKILL (torchrun notices, stops
+running :mod:`.data_parallel_worker`, relays its rank 0's events into the run's metrics, and
+plays the plan on the ranks of replica m (``learner = m``): crash = SIGKILL (torchrun notices, stops
 the other ranks and restarts the whole group at once from the last checkpoint: the steps
 since are rollback waste; the crash's ``duration`` is not played, torchrun does not wait),
 freeze = SIGSTOP then SIGCONT after ``duration`` (every rank stalls in the all-reduce), slow
@@ -48,9 +48,9 @@ from ddiloco.config import RunConfig, to_toml
 from ddiloco.errors import FATAL_EXIT, ConfigError
 from ddiloco.methods import method_for
 from ddiloco.report.summary import summary as report_summary
-from ddiloco.runtime.processes.dp_worker import STOP_SIGNAL
-from ddiloco.runtime.processes.supervision import Verdict
-from ddiloco.runtime.processes.supervisor import Supervisor
+from ddiloco.runtime.processes.launcher.data_parallel_worker import STOP_SIGNAL
+from ddiloco.runtime.processes.launcher.supervision import Verdict
+from ddiloco.runtime.processes.launcher.supervisor import Supervisor
 from ddiloco.trainer import pick_device
 
 DP = "dp"  # the torchrun agent's process name (logs/dp.log)
@@ -120,7 +120,8 @@ class DataParallelJob(Supervisor):
 
     def start(self) -> None:
         torchrun = f"-m torch.distributed.run --standalone --nproc-per-node {self.world}"
-        worker = f"--max-restarts {self.max_restarts} -m ddiloco.runtime.processes.dp_worker"
+        module = "ddiloco.runtime.processes.launcher.data_parallel_worker"
+        worker = f"--max-restarts {self.max_restarts} -m {module}"
         paths = ["--config", str(self.config_path), "--out", str(self.home)]
         more = ["--t0", repr(self.t0), "--method", self.method]
         self._spawn(DP, [*torchrun.split(), *worker.split(), *paths, *more])

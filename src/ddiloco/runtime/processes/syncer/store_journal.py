@@ -1,7 +1,7 @@
 """The syncer's merge journal: its record format, how it is read back, and the audits on it.
 
-The journal is append-only and optional (:class:`~ddiloco.runtime.processes.store.SyncerStore`
-appends to it and cuts it); what a kill can leave in it, and what a restart may cut, is subtle
+The journal is append-only and optional (:class:`.store.SyncerStore` appends to it and
+cuts it); what a kill can leave in it, and what a restart may cut, is subtle
 enough to live apart from the store's other files. This module tells a record a kill left
 torn (only the last one, cut) from damage (refused), finds the merges no fragment file
 recorded (never broadcast, cut) and checks that a complete journal holds every durable merge
@@ -30,11 +30,11 @@ from ddiloco.core.outer import make_outer_optimizer
 from ddiloco.core.plans import gather
 from ddiloco.core.robust import scaled
 from ddiloco.core.syncer_state import MergeResult, SyncerConfig, merge_step
-from ddiloco.runtime.processes.store_format import _CRC, _HEAD, Key, StoreError
+from ddiloco.runtime.processes.syncer.store_format import _CRC, _HEAD, Key, StoreError
 from ddiloco.runtime.run import RunSetup
 
 if TYPE_CHECKING:
-    from ddiloco.runtime.processes.store import SyncerStore
+    from ddiloco.runtime.processes.syncer.store import SyncerStore
 
 JOURNAL_MAGIC = b"DDSJ"
 _LEN = struct.Struct("<Q")

@@ -1,6 +1,6 @@
 """What every supervisor of real processes does, whatever it runs: the base of the launcher
-(a syncer and learners, :mod:`.launcher`) and of the data-parallel job (torchrun DDP,
-:mod:`.dp_job`).
+(a syncer and learners, :mod:`.fragments`) and of the data-parallel job (torchrun DDP,
+:mod:`.data_parallel`).
 
 Owns: spawning children with ``subprocess`` (never forked from a process holding torch), each
 in its own process group, stderr into ``<home>/logs/<name>.log``; a reader thread per child
@@ -37,13 +37,13 @@ from typing import IO, Any
 
 from ddiloco.chaos.plan import ChaosEvent
 from ddiloco.config import RunConfig
-from ddiloco.runtime.processes.common import EVENT_PREFIX
-from ddiloco.runtime.processes.supervision import (
+from ddiloco.runtime.processes.launcher.supervision import (
     RestartPolicy,
     Verdict,
     descendant_groups,
     exited_record,
 )
+from ddiloco.runtime.processes.transport.events import EVENT_PREFIX
 
 DUTY_PERIOD = 0.2  # seconds: one SIGSTOP/SIGCONT cycle of a straggler
 Hook = Callable[[Any, dict[str, Any]], None]

@@ -1,6 +1,6 @@
 """The byte formats of the syncer's durable state, apart from the files that hold them.
 
-:mod:`~ddiloco.runtime.processes.store` decides when and where a file is written and what a
+:mod:`~ddiloco.runtime.processes.syncer.store` decides when and where a file is written and what a
 restart may trust; this module only says what the bytes are and checks them, so a format
 (or a check of one) can be read and tested without the store's crash-safety and bookkeeping.
 It owns the error every store module raises, a fragment file's record, the fragment and

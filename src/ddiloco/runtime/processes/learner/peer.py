@@ -23,9 +23,9 @@ from typing import Any
 import zmq
 
 from ddiloco.errors import DDiLoCoError
-from ddiloco.runtime.processes.auth import LEARNER_NAME, Gatekeeper, present, serve_plain
-from ddiloco.runtime.processes.common import Socket, configure, new_session
-from ddiloco.runtime.processes.wire import Limits, Wire, WireError
+from ddiloco.runtime.processes.transport.auth import LEARNER_NAME, Gatekeeper, present, serve_plain
+from ddiloco.runtime.processes.transport.sockets import Socket, configure, new_session
+from ddiloco.runtime.processes.transport.wire import Limits, Wire, WireError
 
 log = logging.getLogger(__name__)
 

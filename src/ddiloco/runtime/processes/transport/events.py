@@ -1,0 +1,37 @@
+"""Events as JSON lines on stdout (``@event {...}``): how every child process tells its
+supervisor what happened (the launcher relays them into the run's metrics.jsonl)."""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+from typing import Any
+
+EVENT_PREFIX = "@event "
+
+
+class Events:
+    """Events as JSON lines on stdout (``@event {...}``), stamped with seconds since t0."""
+
+    def __init__(self, t0: float, stream: Any = None) -> None:
+        self.t0 = t0
+        self.stream = stream or sys.stdout
+        self._lock = threading.Lock()
+
+    def now(self) -> float:
+        return time.time() - self.t0
+
+    def __call__(self, kind: str, **fields: Any) -> None:
+        record = {"kind": kind, "t": round(self.now(), 4), **fields}
+        line = EVENT_PREFIX + json.dumps(record, sort_keys=True, default=_jsonable) + "\n"
+        with self._lock:
+            self.stream.write(line)
+            self.stream.flush()
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, set | frozenset | tuple):
+        return sorted(value) if isinstance(value, set | frozenset) else list(value)
+    return str(value)
