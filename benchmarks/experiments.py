@@ -136,7 +136,11 @@ def scavenging(tokens: int) -> list[Run]:
 SWEEP_CHIPS = (0, 150_000, 300_000, 600_000, 1_200_000)
 SWEEP_TIME_SCALE = 0.35
 SWEEP_RECOVERY = 4.0
-SWEEP_DP = ("dp.restart_seconds=35", "dp.reconfigure_seconds=15", "dp.checkpoint_every=10")
+SWEEP_DP = (
+    "data_parallel.restart_seconds=35",
+    "data_parallel.reconfigure_seconds=15",
+    "data_parallel.checkpoint_every=10",
+)
 
 
 def failure_sweep(tokens: int) -> list[Run]:

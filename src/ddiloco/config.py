@@ -178,7 +178,7 @@ class NetworkConfig:
 
 
 @dataclass(frozen=True)
-class DPConfig:
+class DataParallelConfig:
     """Data-parallel baselines under failures (simulated seconds)."""
 
     checkpoint_every: int = 50  # steps between checkpoints (non-elastic restarts from one)
@@ -187,9 +187,19 @@ class DPConfig:
     reconfigure_seconds: float = 5.0  # elastic: pause to shrink or grow the job
 
     def __post_init__(self) -> None:
-        require(self.checkpoint_every >= 1, "dp.checkpoint_every", self.checkpoint_every, ">= 1")
+        require(
+            self.checkpoint_every >= 1,
+            "data_parallel.checkpoint_every",
+            self.checkpoint_every,
+            ">= 1",
+        )
         for name in ("checkpoint_seconds", "restart_seconds", "reconfigure_seconds"):
-            require(getattr(self, name) >= 0, f"dp.{name}", getattr(self, name), "must be >= 0")
+            require(
+                getattr(self, name) >= 0,
+                f"data_parallel.{name}",
+                getattr(self, name),
+                "must be >= 0",
+            )
 
 
 @dataclass(frozen=True)
@@ -238,7 +248,7 @@ class RunConfig:
     sync: SyncConfig = field(default_factory=SyncConfig)
     hardware: HardwareConfig = field(default_factory=HardwareConfig)
     network: NetworkConfig = field(default_factory=NetworkConfig)
-    dp: DPConfig = field(default_factory=DPConfig)
+    data_parallel: DataParallelConfig = field(default_factory=DataParallelConfig)
     processes: ProcessesConfig = field(default_factory=ProcessesConfig)
     chaos: tuple[ChaosEvent, ...] = ()  # explicit events
     chaos_gen: ChaosGenerators = field(default_factory=ChaosGenerators)

@@ -17,7 +17,7 @@ from typing import Any
 from ddiloco.errors import ConfigError
 
 # Keys that were renamed: an old config gets the new name in its error, not a bare refusal.
-RENAMED = {"sync.strategy": "sync.partition"}
+RENAMED = {"sync.strategy": "sync.partition", "dp": "data_parallel"}
 
 
 def read_toml(path: str | Path) -> dict[str, Any]:

@@ -37,7 +37,7 @@ BASE = [
     "train.warmup_steps=5",
     "train.eval_every=8000",
     "data.eval_batches=1",
-    "dp.checkpoint_every=10",
+    "data_parallel.checkpoint_every=10",
     "processes.max_wall_seconds=120",
 ]
 

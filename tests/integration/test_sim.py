@@ -193,7 +193,9 @@ def test_diloco_syncs_the_whole_model_at_once(splits):
 
 def test_data_parallel_rolls_back_and_elastic_shrinks(splits):
     chaos = "chaos=[{at=5.0, kind='crash', learner=1, duration=10.0}]"
-    stiff, stiff_records = _run_method(splits, "data_parallel", chaos, "dp.checkpoint_every=100")
+    stiff, stiff_records = _run_method(
+        splits, "data_parallel", chaos, "data_parallel.checkpoint_every=100"
+    )
     elastic, elastic_records = _run_method(splits, "elastic_dp", chaos)
     assert stiff["tokens_wasted"]["rollback"] > 0 and stiff["uptime"] < 1.0
     assert any(r["kind"] == "rollback" for r in stiff_records)

@@ -101,8 +101,8 @@ def test_a_failure_during_a_pause_joins_it_and_repairs_are_batched():
 def test_zero_restart_and_reconfiguration_times_are_the_ideal_limit():
     zero = [
         "timing.detect_s=0.0",
-        "dp.replace_s=0.0",
-        "dp.restart_s=0.0",
+        "data_parallel.replace_s=0.0",
+        "data_parallel.restart_s=0.0",
         "elastic.downscale_s=0.0",
         "elastic.upscale_s=0.0",
         "elastic.upscale_batch_s=0.0",
@@ -122,11 +122,11 @@ def test_dp_matches_the_renewal_formula_and_young_daly():
     p = load_params(
         overrides=[
             "timing.detect_s=0.0",
-            "dp.replace_s=0.0",
+            "data_parallel.replace_s=0.0",
             "failures.repair_median_s=1.0",
-            f"dp.restart_s={restart}",
-            "dp.checkpoint_interval_s=0.0",
-            f"dp.checkpoint_cost_s={cost}",
+            f"data_parallel.restart_s={restart}",
+            "data_parallel.checkpoint_interval_s=0.0",
+            f"data_parallel.checkpoint_cost_s={cost}",
             "run.days=60.0",
         ]
     )
@@ -146,7 +146,7 @@ def test_dp_matches_the_renewal_formula_and_young_daly():
     young_waste = cost / c + (c / 2 + restart) / mtbf  # first order in c/MTBF
     assert abs((1 - samples.mean()) - young_waste) < 0.1 * young_waste
     for factor in (0.25, 4.0):  # the optimum beats intervals 4x shorter or longer
-        other = replace(p, "dp", checkpoint_interval_s=c * factor)
+        other = replace(p, "data_parallel", checkpoint_interval_s=c * factor)
         assert seeds_of(lambda r, o=other: goodput(r, o), 6).mean() < samples.mean()
 
 
@@ -367,13 +367,13 @@ def test_simulate_table_for_people_shows_the_paper_beside_ours(capsys):
         (["--chips", "lots"], "chips='lots'"),
         (["--mtbi-hours", "0"], "failures.mtbi_hours=0.0"),
         (["--set", "timing.detect_s=-1"], "timing.detect_s=-1.0"),
-        (["--set", "dp.restart_s=-5"], "dp.restart_s=-5.0"),
+        (["--set", "data_parallel.restart_s=-5"], "data_parallel.restart_s=-5.0"),
         (["--set", "failures.repair_median_s=0"], "failures.repair_median_s=0.0"),
         (["--days", "0"], "run.days=0.0"),
         (["--learners", "2", "4", "--quorum", "3"], "decoupled.quorum=3"),
         (["--set", "decoupled.recovery=pray"], "decoupled.recovery='pray'"),
         (["--set", "elastic.teleport_s=1"], "elastic.teleport_s"),
-        (["--set", "dp.restart_s=fast"], "dp.restart_s='fast'"),
+        (["--set", "data_parallel.restart_s=fast"], "data_parallel.restart_s='fast'"),
         (["--config", "no/such/file.toml"], "config='no/such/file.toml'"),
         (["--chips", "1000", "--learners", "32"], "run.chips=1000"),
     ],

@@ -143,7 +143,7 @@ def _with_stragglers(useful: float, badput: dict[str, float], eff: float) -> flo
 def simulate_dp(trace: FailureTrace, p: ClusterParams, rng: np.random.Generator) -> Outcome:
     """Non-elastic data-parallel: stop, swap in spares, restart from the last checkpoint."""
     t, horizon = p.timing, trace.horizon_s
-    rest = p.dp.replace_s + p.dp.restart_s
+    rest = p.data_parallel.replace_s + p.data_parallel.restart_s
     dur = _durations(rng, len(trace), t.detect_s, rest, t.time_sigma)
     pauses = pause_chain(trace.time.tolist(), dur.tolist(), [], [], 0.0, False, horizon)
     return _restart_outcome(pauses, p, trace.chips, horizon, checkpointed=True)
@@ -151,10 +151,10 @@ def simulate_dp(trace: FailureTrace, p: ClusterParams, rng: np.random.Generator)
 
 def checkpoint_interval(p: ClusterParams, chips: int) -> float:
     """Training seconds between checkpoints: the configured one, or Young/Daly's optimum."""
-    if p.dp.checkpoint_interval_s > 0:
-        return max(p.dp.checkpoint_interval_s, p.timing.step_s)
+    if p.data_parallel.checkpoint_interval_s > 0:
+        return max(p.data_parallel.checkpoint_interval_s, p.timing.step_s)
     mtbf = p.mtbi_s / chips
-    return max(math.sqrt(2.0 * p.dp.checkpoint_cost_s * mtbf), p.timing.step_s)
+    return max(math.sqrt(2.0 * p.data_parallel.checkpoint_cost_s * mtbf), p.timing.step_s)
 
 
 def _restart_outcome(
@@ -169,7 +169,7 @@ def _restart_outcome(
     detection = np.minimum(down, p.timing.detect_s).sum()
     badput = {"detection": detection / horizon, "restart": (down.sum() - detection) / horizon}
     if checkpointed:
-        c, cost = checkpoint_interval(p, chips), p.dp.checkpoint_cost_s
+        c, cost = checkpoint_interval(p, chips), p.data_parallel.checkpoint_cost_s
         done = np.floor(x / (c + cost))
         lost = np.where(ended_by_failure, x - done * (c + cost), 0.0)
         badput["checkpoint"] = float((done * cost).sum()) / horizon
@@ -240,7 +240,7 @@ def simulate_elastic(trace: FailureTrace, p: ClusterParams, rng: np.random.Gener
 
 def _restart_learner(trace: FailureTrace, p: ClusterParams, rng: np.random.Generator) -> JobRun:
     """A Decoupled learner that restarts on spares and copies its state from a peer."""
-    rest = p.dp.replace_s + p.dp.restart_s + p.decoupled.peer_copy_s
+    rest = p.data_parallel.replace_s + p.data_parallel.restart_s + p.decoupled.peer_copy_s
     dur = _durations(rng, len(trace), p.timing.detect_s, rest, p.timing.time_sigma)
     pauses = pause_chain(trace.time.tolist(), dur.tolist(), [], [], 0.0, False, trace.horizon_s)
     return JobRun(_restart_outcome(pauses, p, trace.chips, trace.horizon_s, False), pauses)

@@ -115,7 +115,9 @@ class DataParallel:
 
     def __post_init__(self) -> None:
         _non_negative(
-            self, "dp", ("replace_s", "restart_s", "checkpoint_interval_s", "checkpoint_cost_s")
+            self,
+            "data_parallel",
+            ("replace_s", "restart_s", "checkpoint_interval_s", "checkpoint_cost_s"),
         )
 
 
@@ -144,11 +146,11 @@ class Decoupled:
     """Decoupled DiLoCo: ``learners`` values of M to simulate, and the syncer's quorum K.
 
     The cluster is split into M learners of N/M chips; a failure affects only its learner.
-    ``recovery = "reform"``: the learner re-forms without its failed domain (the elastic
-    mechanics above, on N/M chips) and keeps training at reduced capacity. ``"restart"``: the
-    learner stops, restarts on a spare (detection + dp.replace_s + dp.restart_s) and copies its
-    state from a peer in ``peer_copy_s``. Merged progress needs K learners up; compute while
-    fewer than K are up is wasted. Learners run at persistent speeds spread log-normally by
+    ``recovery = "reform"``: the learner re-forms without its failed domain (the elastic mechanics
+    above, on N/M chips) and keeps training at reduced capacity. ``"restart"``: the learner stops,
+    restarts on a spare (detection + ``data_parallel.replace_s`` + ``restart_s``) and copies its
+    state from a peer in ``peer_copy_s``. Merged progress needs K learners up; compute while fewer
+    than K are up is wasted. Learners run at persistent speeds spread log-normally by
     ``learner_speed_cv``; progress beyond the K-th fastest learner's pace is not counted.
     """
 
@@ -203,7 +205,7 @@ class ClusterParams:
 
     failures: Failures = field(default_factory=Failures)
     timing: Timing = field(default_factory=Timing)
-    dp: DataParallel = field(default_factory=DataParallel)
+    data_parallel: DataParallel = field(default_factory=DataParallel)
     elastic: Elastic = field(default_factory=Elastic)
     decoupled: Decoupled = field(default_factory=Decoupled)
     run: Run = field(default_factory=Run)
@@ -237,7 +239,7 @@ PRESETS: dict[str, dict[str, dict[str, Any]]] = {
     "realistic": {
         "failures": {"repair_median_s": 1800.0},
         "timing": {"detect_s": 60.0, "time_sigma": 0.5},
-        "dp": {
+        "data_parallel": {
             "replace_s": 120.0,
             "restart_s": 420.0,
             "checkpoint_interval_s": 0.0,

@@ -3,10 +3,11 @@ replicas' batches, synchronous steps as long as the slowest replica plus a ring 
 the full gradient (2(n-1)/n x model bytes on the slowest link).
 
 Under the same chaos plan as the fragment-sync methods:
-- ``data_parallel`` (not elastic): a crash stops the job; it restarts from the last checkpoint
-  after ``dp.restart_seconds`` (and once the failed replica is back), losing the steps since.
-- ``elastic_dp``: a crash pauses everyone ``dp.reconfigure_seconds``, then the job continues
-  without that replica; its return (or a join) pauses everyone again to scale back up.
+- ``data_parallel`` (not elastic): a crash stops the job; it restarts from the last
+  checkpoint after ``data_parallel.restart_seconds`` (and once the failed replica is back),
+  losing the steps since.
+- ``elastic_dp``: a crash pauses everyone ``data_parallel.reconfigure_seconds``, then the job
+  continues without that replica; its return (or a join) pauses everyone again to scale back up.
 A frozen replica stalls everyone (the all-reduce waits for it).
 """
 
@@ -78,7 +79,7 @@ class DataParallelSim:
 
     def run(self) -> dict[str, Any]:
         t = self.config.train
-        dp = self.config.dp
+        dp = self.config.data_parallel
         events = sorted(self.config.chaos, key=lambda e: e.at)
         returns: list[tuple[float, int]] = []  # (time, replica) coming back
         self._eval()
@@ -116,7 +117,7 @@ class DataParallelSim:
         return self._summary(final)
 
     def _fault(self, event: ChaosEvent, returns: list[tuple[float, int]]) -> None:
-        dp = self.config.dp
+        dp = self.config.data_parallel
         self.emit(
             {
                 "kind": "chaos",
@@ -165,7 +166,7 @@ class DataParallelSim:
             return
         if self.elastic and m not in self.live:
             self.live.add(m)
-            self._pause(self.config.dp.reconfigure_seconds, "upscale")
+            self._pause(self.config.data_parallel.reconfigure_seconds, "upscale")
             self.emit(
                 {
                     "kind": "recovered",

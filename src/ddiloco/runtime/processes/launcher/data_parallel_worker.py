@@ -12,14 +12,15 @@ step, so the global batch is every rank's. It stops at ``train.tokens`` (all ran
 at ``train.max_virtual_seconds`` wall seconds since the launch if set, or when rank 0 gets
 SIGUSR1 (the job's clean stop); rank 0 decides and every rank follows.
 
-Checkpoints (every ``dp.checkpoint_every`` steps, rank 0 writes them, the data positions of
-every rank gathered first): ``<out>/checkpoints/ckpt-<step>.bin``, written to a temp file,
-fsynced, renamed, the directory fsynced; the format is :data:`MAGIC`, a version, the payload
-length and a BLAKE3 digest of all that and the payload, then :func:`~.common.pack_tree` bytes
-(msgpack plus raw tensors, never pickle). At start every rank loads the latest one (torchrun
-restarted the group; ``TORCHELASTIC_RESTART_COUNT`` is the attempt); a damaged one, or one
-another job wrote, is refused with :class:`CheckpointError` naming the file, and the rank
-exits :data:`~ddiloco.errors.FATAL_EXIT` after a ``fatal`` event, so the job gives up at once.
+Checkpoints (every ``data_parallel.checkpoint_every`` steps, rank 0 writes them, the data positions
+of every rank gathered first): ``<out>/checkpoints/ckpt-<step>.bin``, written to a temp file,
+fsynced, renamed, the directory fsynced; the format is :data:`MAGIC`, a version, the payload length
+and a BLAKE3 digest of all that and the payload, then
+:func:`~ddiloco.runtime.processes.transport.tree.pack_tree` bytes (msgpack plus raw tensors, never
+pickle). At start every rank loads the latest one (torchrun restarted the group;
+``TORCHELASTIC_RESTART_COUNT`` is the attempt); a damaged one, or one another job wrote, is refused
+with :class:`CheckpointError` naming the file, and the rank exits :data:`~ddiloco.errors.FATAL_EXIT`
+after a ``fatal`` event, so the job gives up at once.
 
 Events (``@event`` lines, as the launcher's children print): every rank ``rank_up`` (its pid,
 so the job can signal it) and, if it must give up, ``fatal``; rank 0 ``learner_up``,
@@ -262,7 +263,7 @@ class DPWorker:
             )
         elif self.leader:
             self.evaluate()
-        every = self.config.dp.checkpoint_every
+        every = self.config.data_parallel.checkpoint_every
         done = self.tokens >= self.config.train.tokens
         while not done:
             started = time.perf_counter()
