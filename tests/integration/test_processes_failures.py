@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from bases import SMALL
 
 from ddiloco.commands.train import train
 from ddiloco.config import load_config, to_toml
@@ -30,17 +31,7 @@ from ddiloco.runtime.processes.launcher.supervision import LaunchError
 from ddiloco.runtime.processes.transport.shm import run_directory
 
 BASE = [
-    "model='gpt-tiny'",
-    "methods=['decoupled']",
-    "runtime='processes'",
-    "train.learners=2",
-    "train.batch_size=4",
-    "train.warmup_steps=5",
-    "train.eval_every=8000",
-    "sync.fragments=4",
-    "sync.sync_every=8",
-    "data.eval_batches=1",
-    "processes.detect_seconds=3.0",
+    *SMALL,
     "processes.max_wall_seconds=120.0",
 ]
 SLEEPER = ["-c", "import time; time.sleep(120)"]  # a process that neither fails nor talks
@@ -48,6 +39,8 @@ SLEEPER = ["-c", "import time; time.sleep(120)"]  # a process that neither fails
 MODELS = """
 from torch import nn
 from ddiloco.models.gpt import GPT, GPTConfig
+
+from bases import SMALL, TINY
 
 class Raises(GPT):
     def forward(self, idx, targets=None):

@@ -4,6 +4,7 @@ corrupted frames are refused or ridden through; no update is lost to them or app
 from __future__ import annotations
 
 import torch
+from bases import TINY
 
 from ddiloco.config import load_config
 from ddiloco.runtime.processes.launcher.fragments import Launcher
@@ -16,10 +17,7 @@ def test_a_run_through_a_faulty_network_finishes_and_its_merges_audit_clean(tmp_
     config = load_config(
         None,
         [
-            "model='gpt-tiny'",
-            "methods=['decoupled']",
-            "runtime='processes'",
-            "train.learners=2",
+            *TINY,
             "train.batch_size=4",
             "train.tokens=60000",
             "train.eval_every=20000",

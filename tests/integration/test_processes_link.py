@@ -6,15 +6,14 @@ from __future__ import annotations
 
 from typing import Any
 
+from bases import TINY
+
 from ddiloco.chaos.plan import ChaosEvent
 from ddiloco.config import RunConfig, load_config
 from ddiloco.runtime.processes.launcher.fragments import Launcher
 
 BASE = [
-    "model='gpt-tiny'",
-    "methods=['decoupled']",
-    "runtime='processes'",
-    "train.learners=2",
+    *TINY,
     "train.batch_size=4",
     "train.warmup_steps=5",
     "train.eval_every=1000000",

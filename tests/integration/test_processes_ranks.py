@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from bases import TINY
+
 from ddiloco.config import load_config
 from ddiloco.runtime.processes.launcher.fragments import Launcher
 
@@ -13,10 +15,7 @@ def test_a_torchrun_learner_keeps_its_ranks_identical_and_counts_their_tokens(tm
     config = load_config(
         None,
         [
-            "model='gpt-tiny'",
-            "methods=['decoupled']",
-            "runtime='processes'",
-            "train.learners=2",
+            *TINY,
             "train.batch_size=2",
             "train.tokens=16000",
             "train.eval_every=8000",

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from bases import TINY
+
 from ddiloco.chaos.plan import ChaosEvent
 from ddiloco.config import load_config
 from ddiloco.runtime.processes.launcher.fragments import Launcher
@@ -14,10 +16,7 @@ def test_a_scavenged_learner_joins_copies_a_peer_contributes_and_leaves_cleanly(
     config = load_config(
         None,
         [
-            "model='gpt-tiny'",
-            "methods=['decoupled']",
-            "runtime='processes'",
-            "train.learners=2",
+            *TINY,
             "train.scavenged=1",
             "train.batch_size=4",
             "train.tokens=10000000",

@@ -1,0 +1,15 @@
+"""The configs the real-process tests start from (each test adds what it is about)."""
+
+# a decoupled run of gpt-tiny as two learner processes
+TINY = ["model='gpt-tiny'", "methods=['decoupled']", "runtime='processes'", "train.learners=2"]
+# ... with small steps, four fragments, an evaluation every 8000 tokens, a quick detection
+SMALL = [
+    *TINY,
+    "train.batch_size=4",
+    "train.warmup_steps=5",
+    "train.eval_every=8000",
+    "sync.fragments=4",
+    "sync.sync_every=8",
+    "data.eval_batches=1",
+    "processes.detect_seconds=3.0",
+]
