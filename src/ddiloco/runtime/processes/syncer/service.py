@@ -167,11 +167,11 @@ class SyncerService:
             self.config.train.batch_size * setup.seq_len * self.config.processes.ranks
         )
         self.budget = StepBudget()
-        self.budget_lives: dict[int, int] = {}  # learner -> the life its budget is of
+        self.budget_incarnations: dict[int, int] = {}  # learner -> the life its budget is of
         self.ledger.max_missed = int(
             self.tokens_per_step * self.budget.bootstrap_rate * self.budget.horizon
         )
-        self.lives: dict[int, int] = {}  # learner -> incarnation it registered with
+        self.incarnations: dict[int, int] = {}  # learner -> incarnation it registered with
         self.addresses: dict[int, str] = {}  # learner -> peer-recovery address
         self.last_heard: dict[int, float] = {}
         self.down_since: dict[int, float] = {}
@@ -221,7 +221,7 @@ class SyncerService:
                 self.handshakes.drain()
                 self.check_liveness(now)
                 self.store.save_ledger(self.ledger.to_state())  # narrows what a crash loses
-                for m in list(self.lives):
+                for m in list(self.incarnations):
                     self.send(m, "beat", meta={"live": m in self.syncer.policy.progress})
             if self.tokens >= self.next_eval:
                 self.evaluate()
@@ -312,10 +312,12 @@ class SyncerService:
         self.account_uptime(now)
         if m in self.down_since:
             self.down_seconds += now - self.down_since.pop(m)
-        self.lives[m] = inc
+        self.incarnations[m] = inc
         self.addresses[m] = hello.peer
-        if self.budget_lives.get(m) != inc:  # a life the budget has not seen: from where
-            self.budget_lives[m] = inc  # the ledger counted it (a restored life), or its first
+        if self.budget_incarnations.get(m) != inc:  # a life the budget has not seen: from where
+            self.budget_incarnations[m] = (
+                inc  # the ledger counted it (a restored life), or its first
+            )
             restored = m in self.ledger.spans_restart  # report's tokens (a new one)
             self.budget.join(m, self.ledger.last_step[m][0] if restored else None, now)
         asks = self.syncer.policy.join(m, step)
@@ -347,7 +349,7 @@ class SyncerService:
 
     def on_progress(self, m: int, meta: dict[str, Any], _: memoryview) -> None:
         report = messages.progress(meta, self.plan.num_fragments)
-        if m not in self.syncer.policy.progress or self.lives.get(m) != report.incarnation:
+        if m not in self.syncer.policy.progress or self.incarnations.get(m) != report.incarnation:
             self.send(m, "rehello")
             return
         now = self.events.now()
@@ -366,7 +368,7 @@ class SyncerService:
 
     def on_answer(self, m: int, meta: dict[str, Any], payload: memoryview) -> None:
         answer = messages.answer(meta, self.plan.num_fragments)
-        if answer.learner != m or self.lives.get(m) != answer.incarnation:
+        if answer.learner != m or self.incarnations.get(m) != answer.incarnation:
             self.send(m, "rehello")  # from a life this syncer has not registered: re-push later
             return
         answer.validate(self.plan.num_fragments)
@@ -411,7 +413,7 @@ class SyncerService:
         self.account_uptime(self.events.now())
         self.syncer.policy.leave(m, self.events.now())
         self.ledger.crashed(m, LEFT)
-        self.lives.pop(m, None)
+        self.incarnations.pop(m, None)
         self.events("left", learner=m)
 
     def verdict(self, m: int, answer: AnswerMeta, verdict: str) -> None:
@@ -511,7 +513,7 @@ class SyncerService:
         self.handshakes.drain()
         now = self.events.now()
         self.account_uptime(now)
-        for m in list(self.lives):
+        for m in list(self.incarnations):
             self.send(m, "stop")
         self.evaluator.wait()  # the run's result is evaluated last, here
         final = self.setup.eval_loss(self.syncer.fragments)
@@ -550,7 +552,7 @@ class SyncerService:
         self.events("summary", **summary)
         for _ in range(3):  # stop is not acknowledged: say it a few times
             time.sleep(0.1)
-            for m in list(self.lives):
+            for m in list(self.incarnations):
                 self.send(m, "stop")
         self.handshakes.close()
         self.sock.close(0)
