@@ -206,9 +206,7 @@ class DataParallelJob(Supervisor):
         """End the run now: rank 0 stops every rank at the next step, evaluates, reports.
         Frozen ranks are thawed first (the stop must pass the all-reduce); a rank 0 still
         starting is asked once it is up (its ``rank_up``)."""
-        if not self.stop_requested:
-            self.stop_requested = True
-            self.stop_deadline = time.monotonic() + STOP_WAIT_SECONDS
+        self.begin_stop(STOP_WAIT_SECONDS)
         for pid in self.rank_pids.values():
             self.send(pid, signal.SIGCONT)
         if 0 in self.rank_pids:

@@ -289,9 +289,7 @@ class Launcher(Supervisor):
         A syncer that is down (killed, or waiting out a restart delay) is started now; one
         still starting is asked once it is up (its ``syncer_up``). Call it from the
         launcher's thread (a hook, a timer); a signal handler calls :meth:`interrupt`."""
-        if not self.stop_requested:
-            self.stop_requested = True
-            self.stop_deadline = time.monotonic() + STOP_WAIT_SECONDS
+        self.begin_stop(STOP_WAIT_SECONDS)
         proc = self.procs.get(SYNCER)
         if proc is None:
             return

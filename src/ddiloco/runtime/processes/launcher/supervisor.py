@@ -32,6 +32,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
+from enum import Enum
 from pathlib import Path
 from typing import IO, Any
 
@@ -47,6 +48,15 @@ from ddiloco.runtime.processes.transport.events import EVENT_PREFIX
 
 DUTY_PERIOD = 0.2  # seconds: one SIGSTOP/SIGCONT cycle of a straggler
 Hook = Callable[[Any, dict[str, Any]], None]
+
+
+class Phase(Enum):
+    """Where a supervised run is: RUNNING; STOPPING (a clean stop was asked: the run's summary
+    is awaited until ``stop_deadline``); ABORTING (a second signal: everything is killed)."""
+
+    RUNNING = "running"
+    STOPPING = "stopping"
+    ABORTING = "aborting"
 
 
 class Supervisor:
@@ -83,10 +93,9 @@ class Supervisor:
         )
         self.readers: dict[str, threading.Thread] = {}
         self.hooks = list(hooks)  # called with every event, on the supervisor's thread
-        self.stop_requested = False
+        self.phase = Phase.RUNNING
         self.stop_deadline = math.inf  # monotonic: when a stop stops waiting for a summary
         self.stop_signal: int | None = None  # the first SIGINT/SIGTERM (see interrupt)
-        self.abort = False  # a second signal: kill everything now
         self.finished = threading.Event()  # the run is over: background chaos stops
 
     # -- processes --------------------------------------------------------------------------
@@ -193,13 +202,28 @@ class Supervisor:
         """End the run now, with a summary (the subclass's way); on the supervisor's thread."""
         raise NotImplementedError
 
+    @property
+    def stop_requested(self) -> bool:
+        return self.phase is not Phase.RUNNING
+
+    @property
+    def abort(self) -> bool:
+        """A second signal: kill everything now."""
+        return self.phase is Phase.ABORTING
+
+    def begin_stop(self, wait_seconds: float) -> None:
+        """RUNNING -> STOPPING (once): wait at most ``wait_seconds`` for the summary."""
+        if self.phase is Phase.RUNNING:
+            self.phase = Phase.STOPPING
+            self.stop_deadline = time.monotonic() + wait_seconds
+
     def interrupt(self, signum: int) -> None:
         """For a SIGINT/SIGTERM handler (it only sets flags; the supervisor's loop acts): the
         first asks for a clean stop, the second for everything killed at once."""
         if self.stop_signal is None:
             self.stop_signal = signum
         else:
-            self.abort = True
+            self.phase = Phase.ABORTING
 
     def check_signals(self) -> None:
         if self.abort:
