@@ -48,7 +48,7 @@ from ddiloco.core.restart_ledger import RestartLedger
 from ddiloco.core.rounds import UNSOLICITED, AnswerMeta, Verdict
 from ddiloco.core.syncer_state import MergeResult, SyncerState
 from ddiloco.errors import ConfigError, DDiLoCoError
-from ddiloco.report.summary import Uptime
+from ddiloco.report.summary import Uptime, fragment_goodput
 from ddiloco.runtime.processes.syncer import messages
 from ddiloco.runtime.processes.syncer.evaluator import Evaluator
 from ddiloco.runtime.processes.syncer.store import (
@@ -527,7 +527,6 @@ class SyncerService:
         per_step = self.config.train.batch_size * self.setup.seq_len
         lost_capacity = down / step * per_step
         wasted: dict[str, float] = ledger["tokens_wasted"]  # type: ignore[assignment]
-        lost = sum(wasted.get(r, 0.0) for r in (CRASH, "lost_in_flight"))
         summary = {
             "eval_loss": final,
             "tokens": self.tokens,
@@ -536,7 +535,7 @@ class SyncerService:
             "ledger_balanced": ledger["balanced"] and not self.ledger.errors,
             "ledger_errors": self.ledger.errors,
             "ledger_restart": dict(self.ledger.restart),
-            "goodput": (self.tokens - lost) / max(self.tokens + lost_capacity, 1.0),
+            "goodput": fragment_goodput(self.tokens, wasted, lost_capacity),
             "uptime": self.uptime.share(now),
             "bytes_sent": self.bytes_sent,
             "bytes_received": self.bytes_received,
