@@ -57,3 +57,12 @@ def test_decoupled_sync_idles_behind_a_straggler_and_still_finishes(tmp_path):
     done = summary["learner_done"]
     assert done[0]["idle_seconds"] > 0  # the fast learner waited for the slow one
     assert abs(done[0]["step"] - done[1]["step"]) <= 4 + 2  # lock-step: within H + tau
+
+
+def test_a_lock_step_torchrun_learner_waits_with_all_its_ranks_and_they_stay_identical(tmp_path):
+    summary, _ = _run(tmp_path, "diloco", "processes.ranks=2", "train.batch_size=1")
+    done = summary["learner_done"]
+    assert sorted(done) == [0, 1] and summary["rounds"] > 0 and summary["ledger_balanced"]
+    for record in done.values():  # rank 0 waited for merges, and every rank applied them
+        assert record["ranks"] == 2 and record["ranks_in_sync"]
+    assert max(d["idle_seconds"] for d in done.values()) > 0
