@@ -34,7 +34,9 @@ def test_four_learners_with_a_large_eval_set_keep_the_ledger_balanced(tmp_path, 
     evaluations = summary["evaluations"]
     assert evaluations["evals"] >= 1 and evaluations["eval_failed"] == 0
     assert summary["rounds"] > 0
-    # what the learners trained is what the syncer counted (up to the last reports in flight)
+    # what the learners trained is what the syncer counted, up to what a learner trains after
+    # the syncer's budget is reached: its report in flight, the step it is in when the stop
+    # arrives, and one more if the stop crosses a step boundary (3 steps of 8 x 64 tokens)
     assert len(done) == 4
     trained = sum(done.values())
-    assert summary["tokens"] <= trained <= summary["tokens"] * 1.05
+    assert summary["tokens"] <= trained <= summary["tokens"] + 4 * 3 * 8 * 64
