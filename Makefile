@@ -16,6 +16,11 @@ $(BIN)/ddiloco: pyproject.toml
 
 install: $(BIN)/ddiloco
 
+# the optional extras the tests exercise (Hugging Face models, tokenizers, datasets)
+$(VENV)/.extras: $(BIN)/ddiloco
+	$(BIN)/pip install -q $(FIND_LINKS) -e '.[test,hf,data]'
+	touch $@
+
 demo: install
 	$(BIN)/ddiloco train
 
@@ -24,7 +29,7 @@ lint: install
 	$(BIN)/ruff format --check src tests benchmarks
 	$(BIN)/mypy
 
-test: install lint
+test: install $(VENV)/.extras lint
 	$(BIN)/pytest
 
 bench: install

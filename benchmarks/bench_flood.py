@@ -20,8 +20,6 @@ import os
 import signal
 import socket
 import struct
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -29,12 +27,11 @@ from pathlib import Path
 
 import zmq
 
-from ddiloco.config import load_config, to_toml
-from ddiloco.runtime.processes.launcher.fragments import free_port
+from ddiloco.config import load_config
 from ddiloco.runtime.processes.transport.auth import present
 from ddiloco.runtime.processes.transport.events import EVENT_PREFIX
-from ddiloco.runtime.processes.transport.sockets import SECRET_ENV
 from ddiloco.runtime.processes.transport.wire import Wire
+from syncer_process import start_syncer
 
 SECRET = os.urandom(32)
 RUN = "flood"
@@ -95,30 +92,8 @@ def main() -> None:
             "processes.detect_seconds=60",
         ],
     )
-    (tmp / "config.toml").write_text(to_toml(config))
-    address = f"127.0.0.1:{free_port('127.0.0.1')}"
-    env = {**os.environ, SECRET_ENV: SECRET.hex()}
     err = (tmp / "syncer.err").open("w")
-    syncer = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "ddiloco.cli",
-            "syncer",
-            "--bind",
-            address,
-            "--config",
-            str(tmp / "config.toml"),
-            "--run-id",
-            RUN,
-            "--store",
-            str(tmp / "store"),
-        ],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=err,
-        text=True,
-    )
+    syncer, address = start_syncer(tmp, config, RUN, SECRET, stderr=err)
     lines: list[str] = []
     up = threading.Event()
 

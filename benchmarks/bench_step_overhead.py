@@ -19,8 +19,6 @@ import argparse
 import io
 import os
 import statistics
-import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -28,12 +26,11 @@ from pathlib import Path
 
 import torch
 
-from ddiloco.config import load_config, to_toml
-from ddiloco.runtime.processes.launcher.fragments import free_port
+from ddiloco.config import load_config
 from ddiloco.runtime.processes.learner.process import LearnerProcess
 from ddiloco.runtime.processes.transport.events import Events
-from ddiloco.runtime.processes.transport.sockets import SECRET_ENV
 from ddiloco.runtime.run import RunSetup
+from syncer_process import start_syncer
 
 
 def main() -> None:
@@ -60,29 +57,8 @@ def main() -> None:
     ]
     config = load_config(None, overrides)
     tmp = Path(tempfile.mkdtemp(prefix="ddiloco-bench-"))
-    (tmp / "config.toml").write_text(to_toml(config))
     secret = os.urandom(32)
-    address = f"127.0.0.1:{free_port('127.0.0.1')}"
-    env = {**os.environ, SECRET_ENV: secret.hex()}
-    syncer = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "ddiloco.cli",
-            "syncer",
-            "--bind",
-            address,
-            "--config",
-            str(tmp / "config.toml"),
-            "--run-id",
-            "bench",
-            "--store",
-            str(tmp / "store"),
-        ],
-        env=env,
-        stdout=subprocess.PIPE,
-        text=True,
-    )
+    syncer, address = start_syncer(tmp, config, "bench", secret)
     evals: list[str] = []
     threading.Thread(
         target=lambda: evals.extend(

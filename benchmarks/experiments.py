@@ -3,6 +3,9 @@
     python benchmarks/experiments.py equal-tokens [--seeds 0 1] [--tokens 500000 1000000 2000000]
     python benchmarks/experiments.py heterogeneity [--seeds 0 1]
     python benchmarks/experiments.py codecs | fragmentation | rda | scavenging | failure-sweep
+    python benchmarks/experiments.py apply [--seeds 0 1] [--tokens 500000]
+    python benchmarks/experiments.py scaling [--seeds 0 1] [--tokens 250000 500000 1000000]
+        [--models gpt-1m gpt-4m gpt-12m]
 
 Every run is an ordinary ``ddiloco train`` run (its directory lands under --out), so any row
 can be inspected, plotted or re-run. Runs are sequential: two torch processes on a 2-core
@@ -215,7 +218,75 @@ def plot_failure_sweep(directories: dict[int, Path], out: Path) -> Path:
     return out
 
 
+# a far link: 2.5 s each way, so a fragment's merge comes back 5-6 steps after the ask. (A
+# link slowed by bandwidth alone cannot do that: with P = H one fragment leaves each learner
+# per step, so a link that takes 2-4 steps per fragment saturates and answers queue up.)
+SLOW_LINK = "network.latency_seconds=2.5"
+
+
+def apply_rules(tokens: int) -> list[Run]:
+    """How a merged fragment meets local progress (sync.apply), at tau = 1, 2, 4, on the
+    default link and on one slow enough that a merge comes back 4-8 steps after the ask."""
+    base = [
+        f"train.tokens={tokens}",
+        f"train.eval_every={tokens // 5}",
+        "methods=['decoupled']",
+        "chaos=[]",
+    ]
+    runs = []
+    for link, extra in (("fast", []), ("far", [SLOW_LINK])):
+        for tau in (1, 2, 4):
+            for rule in ("overwrite", "blend", "carry"):
+                sets = [*base, f"sync.overlap={tau}", f"sync.apply='{rule}'", *extra]
+                runs.append((f"{rule}, tau={tau}, {link} link", sets))
+    return runs
+
+
+SCALING_MODELS = ["gpt-1m", "gpt-4m", "gpt-12m"]  # (--models replaces them)
+
+
+def scaling(tokens: int) -> list[Run]:
+    """The gap to data-parallel at equal tokens as model and run grow (no failures), on the
+    GPU when there is one (``train.device = 'auto'``)."""
+    return [
+        (
+            model,
+            [
+                f"model='{model}'",
+                f"train.tokens={tokens}",
+                f"train.eval_every={tokens // 5}",
+                "train.device='auto'",
+                "methods=['decoupled', 'data_parallel']",
+                "chaos=[]",
+            ],
+        )
+        for model in SCALING_MODELS
+    ]
+
+
+def gap_table(rows: dict[tuple[int, str, str], list[dict[str, Any]]]) -> str:
+    """Per (tokens, model): Decoupled's eval loss minus data-parallel's, seed by seed."""
+    lines = [
+        "| model | tokens | decoupled | data-parallel | gap (per seed) | gap / DP loss |",
+        "|---|---|---|---|---|---|",
+    ]
+    for (n, label, method), decoupled in rows.items():
+        dp = rows.get((n, label, "data_parallel"))
+        if method != "decoupled" or not dp:
+            continue
+        gaps = [a["eval_loss"] - b["eval_loss"] for a, b in zip(decoupled, dp, strict=True)]
+        ours = statistics.mean(s["eval_loss"] for s in decoupled)
+        theirs = statistics.mean(s["eval_loss"] for s in dp)
+        lines.append(
+            f"| {label} | {n:,} | {ours:.4f} | {theirs:.4f} | "
+            f"{' / '.join(f'{g:+.4f}' for g in gaps)} | {statistics.mean(gaps) / theirs:+.1%} |"
+        )
+    return "\n".join(lines)
+
+
 EXPERIMENTS: dict[str, Callable[[int], list[Run]]] = {
+    "scaling": scaling,
+    "apply": apply_rules,
     "equal-tokens": equal_tokens,
     "failure-sweep": failure_sweep,
     "heterogeneity": heterogeneity,
@@ -269,8 +340,9 @@ def run_all(
                     flush=True,
                 )
     lines = [
-        "| tokens | run | method | eval loss (mean ± spread) | goodput | virtual s | peak B/step |",
-        "|---|---|---|---|---|---|---|",
+        "| tokens | run | method | eval loss (mean ± spread) | goodput | token efficiency "
+        "| virtual s | peak B/step |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     if name in TARGETED:
         # the target is the worst final loss of the seed's runs: a loss every run reaches
@@ -290,6 +362,7 @@ def run_all(
         lines.append(
             f"| {n:,} | {label} | {method} | {statistics.mean(losses):.4f} ± {spread:.4f} | "
             f"{statistics.mean(s['goodput'] for s in summaries):.1%} | "
+            f"{statistics.mean(s['token_efficiency'] for s in summaries):.3f} | "
             f"{statistics.mean(s['virtual_seconds'] for s in summaries):.0f} | {peak} |"
         )
         if name in TARGETED:
@@ -297,6 +370,8 @@ def run_all(
     if name in TARGETED:
         per_seed = [f"{n:,}/s{seed}: {loss:.4f}" for (n, seed), loss in sorted(target.items())]
         lines.append("\ntarget loss per (tokens, seed): " + ", ".join(per_seed))
+    if name == "scaling":
+        lines.append("\n" + gap_table(rows))
     if name == "failure-sweep":
         for n in tokens:
             for seed in seeds:
@@ -317,7 +392,10 @@ def main() -> None:
     ap.add_argument("--seeds", type=int, nargs="+", default=[0])
     ap.add_argument("--out", default="runs/experiments")
     ap.add_argument("--reuse", action="store_true", help="tabulate runs already under --out")
+    ap.add_argument("--models", nargs="+", help="scaling: the models (default: all three)")
     args = ap.parse_args()
+    if args.models:
+        SCALING_MODELS[:] = args.models
     print(f"experiment {args.experiment}: tokens {args.tokens}, seeds {args.seeds}")
     print(run_all(args.experiment, args.tokens, args.seeds, Path(args.out), args.reuse))
 

@@ -7,7 +7,19 @@ import sys
 from collections.abc import Sequence
 
 from ddiloco import __version__
-from ddiloco.commands import bandwidth, compare, learner, plan, simulate, syncer, train
+from ddiloco.commands import (
+    bandwidth,
+    compare,
+    data,
+    export,
+    learner,
+    plan,
+    sample,
+    simulate,
+    syncer,
+    train,
+)
+from ddiloco.commands import eval as evaluate
 from ddiloco.errors import FATAL_EXIT, DDiLoCoError
 
 SERVICES = ("syncer", "learner")  # started by a supervisor, which must not restart them
@@ -20,6 +32,10 @@ COMMANDS = {
     "learner": (learner, "run one learner process of a real-processes run"),
     "simulate": (simulate, "cluster goodput simulator: DP, elastic DP, Decoupled, 150K-2.4M chips"),
     "bandwidth": (bandwidth, "WAN bandwidth each method needs for a target compute utilization"),
+    "data": (data, "prepare a corpus: tokenize text into token files for data.source"),
+    "export": (export, "write a checkpoint directory of a run's global model (any run)"),
+    "sample": (sample, "generate text with a run's (or a checkpoint's) global model"),
+    "eval": (evaluate, "eval loss and bits per byte of a run's (or a checkpoint's) global model"),
 }
 
 

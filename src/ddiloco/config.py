@@ -18,6 +18,7 @@ import torch
 from ddiloco.chaos.plan import ChaosEvent, ChaosGenerators
 from ddiloco.core.codec import CodecSpec
 from ddiloco.core.grace import GraceConfig
+from ddiloco.core.learner_state import APPLY_RULES
 from ddiloco.core.outer import OuterConfig
 from ddiloco.core.plans import PARTITIONS, FragmentPlan, build_plan, tensor_specs
 from ddiloco.core.robust import RobustConfig
@@ -29,9 +30,16 @@ from ddiloco.typed_toml import build, read_toml, set_override
 METHODS = ("decoupled", "decoupled_sync", "streaming", "diloco", "data_parallel", "elastic_dp")
 
 
+OPTIMIZERS = ("adamw", "sgd")
+SCHEDULES = ("cosine", "linear", "constant")
+PRECISIONS = ("auto", "fp32", "bf16")
+
+
 @dataclass(frozen=True)
 class DataConfig:
-    source: str = "shakespeare"  # built-in corpus, or a text file / directory
+    # the built-in corpus, a text file or directory (byte tokens), or a directory written by
+    # `ddiloco data prepare` (memory-mapped token files with their tokenizer)
+    source: str = "shakespeare"
     eval_fraction: float = 0.05
     eval_batches: int = 8
 
@@ -51,10 +59,35 @@ class TrainConfig:
     eval_every: int = 100_000  # tokens between evaluations of the global model
     max_virtual_seconds: float = 0.0  # also stop at this virtual time (0: tokens only)
     device: str = "cpu"  # learners' device: cpu, cuda, cuda:N; the syncer stays on CPU
+    seq_len: int = 0  # tokens per training sequence (0: the model's context)
+    grad_accum: int = 1  # micro-batches of batch_size per step (a step trains their sum)
+    optimizer: str = "adamw"  # the inner optimizer: adamw, or sgd (momentum betas[0], Nesterov)
+    betas: tuple[float, ...] = (0.9, 0.95)
+    eps: float = 1e-8
+    schedule: str = "cosine"  # after the warmup: cosine, linear (both to min_lr_ratio), constant
+    min_lr_ratio: float = 0.1
+    precision: str = "auto"  # auto (bf16 autocast on CUDA that supports it), fp32, bf16
+    checkpoint_every: int = 0  # tokens between checkpoints of the global model (0: at the end)
 
     def __post_init__(self) -> None:
-        for name in ("learners", "batch_size", "tokens", "eval_every"):
+        for name in ("learners", "batch_size", "tokens", "eval_every", "grad_accum"):
             require(getattr(self, name) >= 1, f"train.{name}", getattr(self, name), "must be >= 1")
+        require(self.seq_len >= 0, "train.seq_len", self.seq_len, "must be >= 0 (0: the model's)")
+        choices = {"optimizer": OPTIMIZERS, "schedule": SCHEDULES, "precision": PRECISIONS}
+        for name, known in choices.items():
+            value = getattr(self, name)
+            require(value in known, f"train.{name}", value, f"known: {', '.join(known)}")
+        require(
+            len(self.betas) == 2 and all(0.0 <= b < 1.0 for b in self.betas),
+            "train.betas",
+            self.betas,
+            "need two values in [0, 1)",
+        )
+        require(self.eps > 0, "train.eps", self.eps, "must be > 0")
+        require(
+            0.0 <= self.min_lr_ratio <= 1.0, "train.min_lr_ratio", self.min_lr_ratio, "in [0, 1]"
+        )
+        require(self.checkpoint_every >= 0, "train.checkpoint_every", self.checkpoint_every, ">= 0")
         require(self.scavenged >= 0, "train.scavenged", self.scavenged, "must be >= 0")
         require(
             self.max_virtual_seconds >= 0,
@@ -79,12 +112,14 @@ class SyncConfig:
     grace: bool = True
     grace_gamma: float = 0.5
     grace_cap_steps: float = 1.0
-    blend: float = 0.0  # alpha
+    apply: str = "overwrite"  # how a merged fragment meets local progress (core/learner_state.py)
+    blend: float = 0.5  # alpha of apply = "blend"
     merge_rule: str = "rda"
     outer_lr: float = 0.5
     outer_momentum: float = 0.9
     outer_optimizer: str = "nesterov"  # nesterov, sgd, delayed_nesterov (core/outer.py)
     outer_delay: int = 1  # delayed_nesterov: momentum refreshed every this many outer steps
+    outer_follows_schedule: bool = True  # momentum in units of the inner lr (core/outer.py)
     mean_outer_lr: float = 0.7  # outer lr of the plain-mean baselines (docs/design.md §3.9)
     diloco_inner_steps: int = 12  # H of the DiLoCo baseline
     codec: str = "bf16"  # learner -> syncer
@@ -102,7 +137,14 @@ class SyncConfig:
         require(
             self.partition in PARTITIONS, "sync.partition", self.partition, f"known: {PARTITIONS}"
         )
-        require(0.0 <= self.blend < 1.0, "sync.blend", self.blend, "must be in [0, 1)")
+        require(self.apply in APPLY_RULES, "sync.apply", self.apply, f"known: {APPLY_RULES}")
+        require(0.0 < self.blend < 1.0, "sync.blend", self.blend, "must be in (0, 1)")
+        require(  # (a blend set before sync.apply existed would otherwise be ignored)
+            self.apply == "blend" or self.blend == SyncConfig.blend,
+            "sync.blend",
+            self.blend,
+            f"is used only by sync.apply = 'blend' (sync.apply is {self.apply!r})",
+        )
         self.rounds()
         self.outer()
         self.robust_config()
@@ -218,6 +260,7 @@ class ProcessesConfig:
     give_up_seconds: float = 60.0  # a learner that hears no syncer this long exits non-zero
     max_restarts: int = 5  # failed starts in a row of one process before the launcher gives up
     restart_backoff_cap_seconds: float = 30.0  # restart delays double up to this
+    learner_checkpoint_every: float = 60.0  # seconds between a learner's local checkpoints (0: off)
 
     def __post_init__(self) -> None:
         require(self.max_restarts >= 0, "processes.max_restarts", self.max_restarts, ">= 0")
@@ -231,6 +274,12 @@ class ProcessesConfig:
             value = getattr(self, name)
             require(value > 0, f"processes.{name}", value, "must be > 0")
         require(self.ranks >= 1, "processes.ranks", self.ranks, "must be >= 1")
+        require(
+            self.learner_checkpoint_every >= 0,
+            "processes.learner_checkpoint_every",
+            self.learner_checkpoint_every,
+            "must be >= 0 (0: off)",
+        )
 
 
 RUNTIMES = ("sim", "processes")

@@ -25,10 +25,26 @@ def pick_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def sequence_length(model: nn.Module) -> int:
-    """Training sequence length: the model's context (``config.block_size``), else 128."""
+DEFAULT_SEQ_LEN = 128  # a model that declares no context trains on sequences this long
+
+CONTEXT_FIELDS = ("block_size", "n_positions", "max_position_embeddings")
+
+
+def model_context(model: nn.Module) -> int | None:
+    """The model's context length, read from its ``config`` (ours: ``block_size``; Hugging
+    Face: ``n_positions`` or ``max_position_embeddings``); None when it declares none."""
     config = getattr(model, "config", None)
-    return int(getattr(config, "block_size", 128))
+    for name in CONTEXT_FIELDS:
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def sequence_length(model: nn.Module, seq_len: int = 0) -> int:
+    """Training sequence length: ``train.seq_len`` when set, else the model's context, else
+    ``DEFAULT_SEQ_LEN`` (the contract check refuses a seq_len beyond the context)."""
+    return seq_len or model_context(model) or DEFAULT_SEQ_LEN
 
 
 class Trainer:
@@ -44,12 +60,25 @@ class Trainer:
         self.total_steps = max(total_steps, 1)
         self.optimizer = self._new_optimizer()
         self.steps = 0
-        self.amp = self.device.type == "cuda" and torch.cuda.is_bf16_supported()
+        self.amp = uses_bf16(config.precision, self.device)
 
     def _new_optimizer(self) -> torch.optim.Optimizer:
         c = self.config
+        if c.optimizer == "sgd":
+            momentum = c.betas[0]
+            return torch.optim.SGD(
+                self.model.parameters(),
+                lr=c.lr,
+                momentum=momentum,
+                nesterov=momentum > 0,
+                weight_decay=c.weight_decay,
+            )
         return torch.optim.AdamW(
-            self.model.parameters(), lr=c.lr, weight_decay=c.weight_decay, betas=(0.9, 0.95)
+            self.model.parameters(),
+            lr=c.lr,
+            weight_decay=c.weight_decay,
+            betas=(c.betas[0], c.betas[1]),
+            eps=c.eps,
         )
 
     def reset_optimizer(self) -> None:
@@ -57,20 +86,19 @@ class Trainer:
         self.optimizer = self._new_optimizer()
 
     def lr_at(self, step: int) -> float:
-        """Linear warmup, then cosine decay to 10% over the planned steps."""
-        c = self.config
-        if step < c.warmup_steps:
-            return c.lr * (step + 1) / c.warmup_steps
-        progress = min(1.0, (step - c.warmup_steps) / max(1, self.total_steps - c.warmup_steps))
-        return c.lr * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress)))
+        """Linear warmup, then ``train.schedule`` over the planned steps (cosine or linear
+        decay to ``min_lr_ratio`` of the peak, or constant)."""
+        return learning_rate(self.config, step, self.total_steps)
 
     def train_step(self, batches: int = 1) -> tuple[float, int]:
-        """One optimizer step on ``batches`` batches (gradients averaged); (loss, tokens)."""
+        """One optimizer step on ``batches`` x ``train.grad_accum`` micro-batches (gradients
+        averaged); (loss, tokens)."""
         self.model.train()
         for group in self.optimizer.param_groups:
             group["lr"] = self.lr_at(self.steps)
         self.optimizer.zero_grad(set_to_none=True)
         total = 0.0
+        batches *= self.config.grad_accum
         for _ in range(batches):
             x, y = self.stream.next()
             with torch.autocast(self.device.type, torch.bfloat16, enabled=self.amp):
@@ -105,6 +133,26 @@ class Trainer:
     def state_bytes(self) -> int:
         """Bytes a peer copy moves: parameters plus AdamW's two moments."""
         return 3 * sum(p.numel() * p.element_size() for p in self.model.parameters())
+
+
+def learning_rate(config: TrainConfig, step: int, total_steps: int) -> float:
+    """The inner learning rate at ``step`` of ``total_steps`` (warmup, then the schedule)."""
+    c = config
+    if step < c.warmup_steps:
+        return c.lr * (step + 1) / c.warmup_steps
+    if c.schedule == "constant":
+        return c.lr
+    progress = min(1.0, (step - c.warmup_steps) / max(1, total_steps - c.warmup_steps))
+    shape = 0.5 * (1.0 + math.cos(math.pi * progress)) if c.schedule == "cosine" else 1 - progress
+    return c.lr * (c.min_lr_ratio + (1.0 - c.min_lr_ratio) * shape)
+
+
+def uses_bf16(precision: str, device: torch.device) -> bool:
+    """Whether training autocasts to bf16: 'auto' on CUDA that supports it, 'bf16' always
+    (the contract check refuses it where the device cannot), never for 'fp32'."""
+    if precision == "auto":
+        return device.type == "cuda" and torch.cuda.is_bf16_supported()
+    return precision == "bf16"
 
 
 @torch.no_grad()

@@ -13,3 +13,13 @@ SMALL = [
     "data.eval_batches=1",
     "processes.detect_seconds=3.0",
 ]
+# ... short: 12000 tokens in steps of 2 sequences, two fragments sent every 4 steps
+SHORT = [
+    *TINY,
+    "train.batch_size=2",
+    "train.tokens=12000",
+    "train.eval_every=6000",
+    "sync.fragments=2",
+    "sync.sync_every=4",
+    "data.eval_batches=1",
+]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import pytest
 import torch
 from bases import SMALL
 
@@ -35,9 +36,10 @@ def steps_of(records, learner: int) -> list[dict[str, Any]]:
 
 
 def test_a_processes_run_writes_the_same_run_directory_as_the_simulated_clock(tmp_path):
-    # outer momentum 0.9 diverges in about 1 of 4 of these 12K-token wall-clock runs (eval
-    # loss 9-12; measured before and after this test was last changed, reported to planning);
-    # this test is about the run directory and that the model learns, so it runs without it
+    # outer Nesterov 0.9 still diverges now and then in these 12K-token wall-clock runs (eval
+    # loss 7.5-7.9 in one CI run after decision 69, which fixed the same divergence on the
+    # simulated clock; reported on issue 13); this test is about the run directory and that
+    # the model learns, so it runs without momentum
     cfg = config("train.tokens=12000", "sync.outer_momentum=0.0")
     (summary,) = train(cfg, tmp_path, quiet=True)
     for name in (
@@ -60,14 +62,16 @@ def test_a_processes_run_writes_the_same_run_directory_as_the_simulated_clock(tm
     broadcast = sum(r["broadcast_bytes"] for r in records if r["kind"] == "round")
     assert summary["bytes_sent"] >= broadcast > 0  # payload bytes, wherever they travelled
     evals = [r["loss"] for r in records if r["kind"] == "eval"]
-    # the global model learned (not necessarily to the end: at this tiny scale outer Nesterov
-    # momentum overshoots now and then, on the simulated clock too)
-    assert min(evals[1:]) < evals[0] - 1.0
+    # the global model learned: 0.5 nats under the uniform start (5.55). How far it gets in 12K
+    # tokens depends on how many rounds the box's load lets merge in time (4.0-4.5 here, 4.57 on
+    # a loaded CI run); an untrained or diverged model stays at or above the start
+    assert min(evals[1:]) < evals[0] - 0.5
     assert {r["learner"] for r in records if r["kind"] == "step"} == {0, 1}
 
 
+@pytest.mark.parametrize("apply", ["overwrite", "carry"])
 def test_a_learner_killed_mid_run_recovers_from_a_peer_while_the_other_keeps_stepping(
-    tmp_path, launch
+    tmp_path, launch, apply
 ):
     state: dict[str, Any] = {"rounds": 0}
 
@@ -84,7 +88,9 @@ def test_a_learner_killed_mid_run_recovers_from_a_peer_while_the_other_keeps_ste
             if state["after"] == 40:
                 launcher.request_stop()
 
-    summary, records = launch(config("train.tokens=10000000"), tmp_path, hook)
+    summary, records = launch(
+        config("train.tokens=10000000", f"sync.apply='{apply}'"), tmp_path, hook
+    )
     killed_at, recovered = state["killed"], state["recovered"]
     assert recovered["peer"] == 0 and recovered["bytes"] > 0  # from a peer, not the syncer
     assert recovered["step"] > 0  # it adopted the peer's progress
@@ -96,6 +102,10 @@ def test_a_learner_killed_mid_run_recovers_from_a_peer_while_the_other_keeps_ste
     assert summary["rounds"] > 3
     assert any(r["kind"] == "round" and r["t"] > recovered["t"] and r["weights"].get("1")
                for r in records)  # fmt: skip  # the newcomer's answers are merged again
+    # the learners' counters and the syncer's ledger agree under either rule, across the kill
+    assert summary["ledger_balanced"] and summary["ledger_errors"] == 0
+    if apply == "carry":  # nothing overwritten: what a merge met rode with the next answer
+        assert "overwritten" not in summary["tokens_wasted"] and summary["tokens_carried"] > 0
 
 
 def test_a_killed_syncer_restarts_from_its_durable_record_with_no_merge_lost_or_doubled(

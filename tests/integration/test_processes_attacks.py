@@ -128,6 +128,18 @@ def test_an_unterminated_multipart_message_and_a_flood_grow_the_syncer_by_little
     assert len(syncer.stderr.splitlines()) < 40  # rate-limited, however many refusals
 
 
+ANSWER = {  # a well-formed answer's meta, for learner 0 of incarnation 5
+    "learner": 0,
+    "incarnation": 5,
+    "seq": 0,
+    "fragment": 0,
+    "round_id": -1,
+    "base_version": 0,
+    "local_step": 1,
+    "c_steps": 1,
+    "c_tokens": 64,
+}
+
 SHAPES = [
     ("hello", {"inc": "abc", "step": 0, "versions": [0, 0]}),
     ("hello", {"inc": 5, "step": 0, "versions": []}),
@@ -137,17 +149,7 @@ SHAPES = [
     ("progress", {"inc": 5, "step": float("nan"), "tokens": 64, "secs": 0.1}),
     (
         "answer",
-        {
-            "learner": 0,
-            "incarnation": 5,
-            "seq": 0,
-            "fragment": 0,
-            "round_id": -1,
-            "base_version": 0,
-            "local_step": 1,
-            "c_steps": 1,
-            "c_tokens": "x",
-        },
+        {**ANSWER, "c_tokens": "x"},
     ),
     ("progress", {"inc": 5, "step": 2, "tokens": 64, "secs": 0.1, "rebased": [7, -1]}),
 ]
@@ -198,17 +200,7 @@ def test_bad_frames_and_nan_updates_are_refused_logged_counted_and_never_applied
         shapes = [t.shape for t in gather(setup.plan, 0, setup.initial)]
         payload = bytearray(encode_tensors([torch.zeros(s) for s in shapes], CodecSpec("fp32")))
         payload[-4:] = struct.pack("<f", float("nan"))
-        meta = {
-            "learner": 0,
-            "incarnation": 5,
-            "seq": 0,
-            "fragment": 0,
-            "round_id": -1,
-            "base_version": 0,
-            "local_step": 1,
-            "c_steps": 1,
-            "c_tokens": 64,
-        }
+        meta = dict(ANSWER)
         learner.send("answer", fragment=0, meta=meta, payload=payload)
         assert learner.expect("verdict").header.meta["verdict"] == "refused_nonfinite"
         summary = syncer.stop()
@@ -319,9 +311,7 @@ def drive(learners, shapes, steps: range, delta_of) -> dict[int, list]:
 
 
 def test_lies_about_tokens_and_huge_or_zero_deltas_neither_take_nor_freeze_the_merge(tmp_path):
-    syncer = SyncerProcess(
-        tmp_path, ["train.batch_size=4", "sync.max_staleness=1000", "sync.outer_momentum=0.0"]
-    )
+    syncer = SyncerProcess(tmp_path, ["train.batch_size=4", "sync.max_staleness=1000"])
     setup = RunSetup(syncer.config)
     per_step = 4 * setup.seq_len  # batch x sequence length: what one step can hold
     initial = [[t.detach().clone() for t in gather(setup.plan, p, setup.initial)] for p in range(2)]

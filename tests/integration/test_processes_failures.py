@@ -96,7 +96,7 @@ def fake_launcher(
         load_config(None, [*BASE, *overrides]), "decoupled", tmp_path, records.append
     )
     launcher.start_syncer = lambda: launcher._spawn(SYNCER, syncer)  # type: ignore[method-assign]
-    launcher.start_learner = lambda m, join=False: launcher._spawn(  # type: ignore[method-assign]
+    launcher.start_learner = lambda m, join=False, resume=False: launcher._spawn(  # type: ignore[method-assign]
         f"learner-{m}", learners.get(m, SLEEPER)
     )
     return launcher, records

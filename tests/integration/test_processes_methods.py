@@ -6,23 +6,12 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from bases import SHORT
 
 from ddiloco.config import load_config
 from ddiloco.runtime.processes.launcher.fragments import Launcher
 
-BASE = [
-    "model='gpt-tiny'",
-    "runtime='processes'",
-    "train.learners=2",
-    "train.batch_size=2",
-    "train.tokens=12000",
-    "train.eval_every=6000",
-    "sync.fragments=2",
-    "sync.sync_every=4",
-    "sync.diloco_inner_steps=6",
-    "data.eval_batches=1",
-    "processes.max_wall_seconds=150",
-]
+BASE = [*SHORT, "sync.diloco_inner_steps=6", "processes.max_wall_seconds=150"]
 
 
 def _run(tmp_path, method: str, *extra: str) -> tuple[dict[str, Any], list[dict[str, Any]]]:

@@ -5,13 +5,15 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 from bases import TINY
 
 from ddiloco.config import load_config
 from ddiloco.runtime.processes.launcher.fragments import Launcher
 
 
-def test_a_torchrun_learner_keeps_its_ranks_identical_and_counts_their_tokens(tmp_path):
+@pytest.mark.parametrize("apply", ["overwrite", "carry"])
+def test_a_torchrun_learner_keeps_its_ranks_identical_and_counts_their_tokens(tmp_path, apply):
     config = load_config(
         None,
         [
@@ -24,6 +26,7 @@ def test_a_torchrun_learner_keeps_its_ranks_identical_and_counts_their_tokens(tm
             "data.eval_batches=1",
             "processes.ranks=2",
             "processes.max_wall_seconds=170",
+            f"sync.apply='{apply}'",  # carry: every rank takes rank 0's snapshots
         ],
     )
     records: list[dict[str, Any]] = []

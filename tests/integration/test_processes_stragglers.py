@@ -34,6 +34,13 @@ BASE = [
 ]
 
 
+def run(config: Any, out: Path, hook: Any) -> tuple[Launcher, dict[str, Any], list[Any]]:
+    """Run decoupled with ``hook`` on every event: the launcher, its summary, the records."""
+    records: list[dict[str, Any]] = []
+    launcher = Launcher(config, "decoupled", out, records.append, hooks=[hook])
+    return launcher, launcher.run(), records
+
+
 def step_times(records: list[dict[str, Any]], learner: int) -> list[float]:
     return [r["t"] for r in records if r["kind"] == "step" and r["learner"] == learner]
 
@@ -68,9 +75,7 @@ def test_a_slowed_learner_trains_less_while_its_peer_keeps_its_pace_and_is_still
             if state["after"] == 60:
                 launcher.request_stop()
 
-    records: list[dict[str, Any]] = []
-    launcher = Launcher(config, "decoupled", tmp_path, records.append, hooks=[hook])
-    summary = launcher.run()
+    launcher, summary, records = run(config, tmp_path, hook)
 
     (chaos,) = [r for r in records if r["kind"] == "chaos"]
     assert chaos["event"] == "slow" and chaos["factor"] == factor and "skipped" not in chaos
@@ -138,9 +143,7 @@ def test_a_data_parallel_learner_that_loses_a_rank_fails_fast_restarts_and_copie
             if state["after"] == 10:
                 launcher.request_stop()
 
-    records: list[dict[str, Any]] = []
-    launcher = Launcher(config, "decoupled", tmp_path, records.append, hooks=[hook])
-    summary = launcher.run()
+    launcher, summary, records = run(config, tmp_path, hook)
 
     killed, recovered = state["killed"], state["recovered"]
     (exited,) = [r for r in records if r["kind"] == "exited"]
@@ -186,9 +189,7 @@ def test_a_frozen_data_parallel_learner_stops_all_its_ranks_not_only_torchrun(tm
             if state["after"] == 10:
                 launcher.request_stop()
 
-    records: list[dict[str, Any]] = []
-    launcher = Launcher(config, "decoupled", tmp_path, records.append, hooks=[hook])
-    summary = launcher.run()
+    launcher, summary, records = run(config, tmp_path, hook)
 
     (chaos,) = [r for r in records if r["kind"] == "chaos"]
     start, end = chaos["t"] + 0.3, chaos["t"] + freeze  # a step under way may still report

@@ -7,10 +7,10 @@ from typing import Any
 
 import pytest
 
-from ddiloco.commands.train import train
+from ddiloco.commands.train import render, train
 from ddiloco.config import RunConfig, load_config
 from ddiloco.data.corpus import eval_batches, split_corpus
-from ddiloco.report.summary import REQUIRED
+from ddiloco.report.summary import REQUIRED, loss_at
 from ddiloco.runtime.run import RunSetup
 from ddiloco.runtime.sim.engine import FragmentSim
 
@@ -64,6 +64,20 @@ def test_crash_never_stops_the_others_and_the_ledger_balances(splits):
     assert summary["uptime"] == pytest.approx(1.0) and summary["goodput"] < 1.0
 
 
+def test_a_preempted_learner_leaves_at_once_and_is_back_after_its_duration(splits):
+    """Reclaimed with notice: no detection wait (it said goodbye), down for its duration
+    (lost capacity, unlike a scavenged slot's leave), back from a peer."""
+    preempt = "chaos=[{at=4.0, kind='preempt', learner=1, duration=6.0}]"
+    summary, records = _run(splits, preempt)
+    crash, _ = _run(splits, preempt.replace("preempt", "crash"))
+    assert not [r for r in records if r["kind"] == "detected"]
+    steps = [r["t"] for r in records if r["kind"] == "step" and r["learner"] == 1]
+    assert not [t for t in steps if 4.0 < t < 10.0] and max(steps) > 10.0
+    assert [r["peer"] for r in records if r["kind"] == "recovered"] == [0]
+    assert summary["tokens_wasted"].get("crash", 0) == 0 and summary["ledger_balanced"]
+    assert summary["goodput"] < 1.0 and crash["goodput"] < 1.0
+
+
 def test_crash_mid_push_loses_only_that_answer(splits):
     # a slow link: every answer is on the wire for a long time, so the crash cuts one
     summary, _ = _run(
@@ -108,6 +122,17 @@ def test_train_writes_the_run_directory(tmp_path):
     ):
         assert (tmp_path / name).stat().st_size > 0, name
     assert load_config(tmp_path / "config.toml") == config
+    # equal time next to equal tokens: data-parallel read when decoupled finished
+    first, dp = summary, summary["methods"]["data_parallel"]
+    assert first["eval_loss_equal_time"] == first["eval_loss"]
+    assert dp["equal_time_seconds"] == first["virtual_seconds"]
+    curve = [
+        (r["t"], r["loss"])
+        for r in map(json.loads, (tmp_path / "metrics.jsonl").open())
+        if r["kind"] == "eval" and r["method"] == "data_parallel"
+    ]
+    assert dp["eval_loss_equal_time"] == pytest.approx(loss_at(curve, first["virtual_seconds"]))
+    assert "at " + f"{first['virtual_seconds']:.0f} virtual s" in render(summaries)
     plan = json.loads((tmp_path / "chaos_plan.json").read_text())
     assert plan == [{"at": 12.0, "kind": "crash", "learner": 1, "duration": 6.0, "factor": 1.0}]
     from ddiloco.cli import main

@@ -98,39 +98,13 @@ def test_overlapping_transfers_need_the_average_rate_too():
 
 
 def test_bandwidth_json_interface(capsys):
-    argv = [
-        "bandwidth",
-        "--method",
-        "dp",
-        "--params",
-        "5e9",
-        "--bits",
-        "16",
-        "--step-time",
-        "1",
-        "--utilization",
-        "0.9",
-        "--datacenters",
-        "2",
-        "--json",
-    ]
-    assert main(argv) == 0
+    argv = "bandwidth --method dp --params 5e9 --bits 16 --step-time 1 --utilization 0.9"
+    argv += " --datacenters 2 --json"
+    assert main(argv.split()) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["gbit_per_s"] == pytest.approx(102.857, abs=1e-3)
-    argv = [
-        "bandwidth",
-        "--method",
-        "decoupled",
-        "--fragments",
-        "24",
-        "--overlap",
-        "2",
-        "--grid",
-        "--bandwidth",
-        "1.0",
-        "--json",
-    ]
-    assert main(argv) == 0
+    argv = "bandwidth --method decoupled --fragments 24 --overlap 2 --grid --bandwidth 1.0 --json"
+    assert main(argv.split()) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["gbit_per_s"] == pytest.approx(1.677, abs=1e-3)
     assert data["raw_gbit_per_s"] == pytest.approx(1.579, abs=1e-3)

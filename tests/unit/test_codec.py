@@ -72,17 +72,13 @@ def _payload(spec: CodecSpec, shape: tuple[int, ...] = (3, 5)) -> bytes:
     return encode(_tensor(shape, 0, 0.0), spec)
 
 
+TENSORS = {"shape": shapes_st, "block": block_st, "seed": st.integers(0, 2**16)}  # any tensor
+
 # ---------------------------------------------------------------- round trips
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(
-    name=st.sampled_from(CODECS),
-    shape=shapes_st,
-    block=block_st,
-    seed=st.integers(0, 2**16),
-    log_scale=st.floats(-30, 30),
-)
+@given(name=st.sampled_from(CODECS), **TENSORS, log_scale=st.floats(-30, 30))
 def test_round_trip_within_bound(name, shape, block, seed, log_scale):
     spec = CodecSpec(name, block)
     x = _tensor(shape, seed, log_scale)
@@ -555,9 +551,7 @@ def _jit_tensor(shape, seed, log_scale, specials, dtype):
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     name=st.sampled_from(INT_CODECS),
-    shape=shapes_st,
-    block=block_st,
-    seed=st.integers(0, 2**16),
+    **TENSORS,
     log_scale=st.floats(-40, 37),
     specials=specials_st,
     dtype=st.sampled_from([torch.float32] * 4 + [torch.float64, torch.bfloat16, torch.float16]),

@@ -62,3 +62,14 @@ def test_missing_and_malformed_files(tmp_path):
 def test_config_is_a_frozen_dataclass():
     with pytest.raises(AttributeError):
         RunConfig().seed = 3  # type: ignore[misc]
+
+
+def test_the_apply_rule_is_checked_and_a_blend_without_it_is_refused():
+    assert load_config(None, ["sync.apply='carry'"]).sync.apply == "carry"
+    assert load_config(None, ["sync.apply='blend'", "sync.blend=0.3"]).sync.blend == 0.3
+    with pytest.raises(ConfigError, match=r"sync\.apply"):
+        load_config(None, ["sync.apply='mix'"])
+    with pytest.raises(ConfigError, match=r"only by sync\.apply = 'blend'"):
+        load_config(None, ["sync.blend=0.3"])  # (before sync.apply, this alone blended)
+    with pytest.raises(ConfigError, match=r"\(0, 1\)"):
+        load_config(None, ["sync.apply='blend'", "sync.blend=0.0"])

@@ -13,8 +13,8 @@ from ddiloco.core.restart_ledger import RestartLedger
 from ddiloco.errors import ConfigError
 
 
-def busy_ledger() -> TokenLedger:
-    ledger = TokenLedger(3)
+def busy_ledger(carry: bool = False) -> TokenLedger:
+    ledger = TokenLedger(3, carry=carry)
     ledger.trained(0, 100)
     ledger.trained(1, 80)
     ledger.answered(0, 0, (0, 7, 0), 60)
@@ -37,8 +37,9 @@ def busy_ledger() -> TokenLedger:
     ],
     ids=["json", "msgpack"],
 )
-def test_a_ledger_round_trips_through_plain_data_and_goes_on_identically(codec):
-    ledger = busy_ledger()
+@pytest.mark.parametrize("carry", [False, True], ids=["overwrite", "carry"])
+def test_a_ledger_round_trips_through_plain_data_and_goes_on_identically(codec, carry):
+    ledger = busy_ledger(carry)
     state = codec(ledger.to_state())
     copy = TokenLedger.from_state(state)
     assert copy.to_state() == ledger.to_state()
@@ -47,8 +48,18 @@ def test_a_ledger_round_trips_through_plain_data_and_goes_on_identically(codec):
     for book in (ledger, copy):  # the copy keeps counting where the original would
         book.trained(1, 20)
         book.merged_answer((1, 9, 1), 0.25)
+        book.rebased(1, 0)  # carry: the 60 tokens after its answer stay pending
         book.close()
     assert copy.to_state() == ledger.to_state() and copy.balanced()
+    assert copy.summary()["tokens_carried"] == ((80 + 60) / 3 if carry else 0)  # both rebases
+    assert ("overwritten" in copy.summary()["tokens_wasted"]) is not carry
+
+
+def test_a_carrying_ledgers_state_is_refused_by_one_that_overwrites_and_back():
+    with pytest.raises(ConfigError, match="carry"):
+        TokenLedger(3).load_state(busy_ledger(carry=True).to_state())
+    with pytest.raises(ConfigError, match="carry"):
+        TokenLedger(3, carry=True).load_state(busy_ledger().to_state())
 
 
 def test_a_state_for_another_plan_damaged_or_unbalanced_is_refused():

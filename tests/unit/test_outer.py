@@ -106,3 +106,65 @@ def test_mismatched_shapes_and_dtypes_are_refused():
         opt.step([torch.zeros(3)], [])
     with pytest.raises(ConfigError, match=r"params\[0\].dtype"):
         opt.step([torch.zeros(3, dtype=torch.bfloat16)], [torch.zeros(3)])
+
+
+# -- the outer momentum following the inner learning-rate schedule (scale) ----------------------
+def _steps(name: str, scales: list[float], grads: list[float], momentum: float = 0.9):
+    opt = make_outer_optimizer(OuterConfig(name, lr=0.5, momentum=momentum))
+    theta = [torch.zeros(3)]
+    out = []
+    for s, g in zip(scales, grads, strict=True):
+        opt.step(theta, [torch.full((3,), g)], s)
+        out.append(theta[0].clone())
+    return out
+
+
+@pytest.mark.parametrize("name", ["nesterov", "delayed_nesterov"])
+def test_a_constant_scale_or_no_momentum_is_the_plain_step(name):
+    grads = [1.0, -0.5, 2.0, 0.25]
+    plain = _steps(name, [1.0] * 4, grads)
+    for a, b in zip(_steps(name, [0.3] * 4, grads), plain, strict=True):
+        assert torch.allclose(a, b, atol=1e-6)  # the buffer's units cancel
+    for a, b in zip(
+        _steps(name, [1.0, 0.1, 0.5, 0.2], grads, 0.0),
+        _steps(name, [1] * 4, grads, 0.0),
+        strict=True,
+    ):
+        assert torch.allclose(a, b, atol=1e-6)
+
+
+def test_a_decaying_scale_shrinks_the_momentum_of_the_peak_by_hand():
+    # step 1 at the peak (s = 1), step 2 at half the learning rate (s = 0.5), mu 0.9, lr 0.5:
+    # buf = 0.9 * g1 + g2 / 0.5; update 2 = lr * (g2 + 0.9 * 0.5 * buf)
+    g1, g2 = 1.0, 0.5
+    first, second = _steps("nesterov", [1.0, 0.5], [g1, g2])
+    assert torch.allclose(first, torch.full((3,), -0.5 * (g1 + 0.9 * g1)))
+    buf = 0.9 * g1 + g2 / 0.5
+    assert torch.allclose(second - first, torch.full((3,), -0.5 * (g2 + 0.9 * 0.5 * buf)))
+
+
+@pytest.mark.parametrize("scale", [0.0, -1.0, float("nan"), float("inf")])
+def test_an_impossible_scale_is_refused(scale):
+    opt = make_outer_optimizer(OuterConfig("nesterov"))
+    with pytest.raises(ConfigError, match="scale"):
+        opt.step([torch.zeros(2)], [torch.ones(2)], scale)
+
+
+def test_a_rounds_scale_is_the_weighted_mean_factor_of_the_steps_its_answers_cover():
+    from ddiloco.core.rounds import AnswerMeta
+    from ddiloco.core.syncer_state import schedule_scale
+
+    def answer(local_step: int, c_steps: int) -> AnswerMeta:
+        return AnswerMeta(0, 0, 0, 0, 0, 0, local_step, c_steps, 10 * c_steps)
+
+    def factor(step: int) -> float:
+        return 1.0 if step < 10 else 0.5
+
+    a, b = answer(10, 4), answer(14, 4)  # steps 6-9 (factor 1), steps 10-13 (factor 0.5)
+    assert schedule_scale(factor, [a], [1.0]) == 1.0
+    assert schedule_scale(factor, [a, b], [1.0, 3.0]) == pytest.approx((1.0 + 3 * 0.5) / 4)
+    assert schedule_scale(factor, [answer(12, 4)], [1.0]) == pytest.approx(0.75)
+    assert schedule_scale(None, [a], [1.0]) == 1.0 and schedule_scale(factor, [a], [0.0]) == 1.0
+    assert schedule_scale(lambda s: 0.0, [a], [1.0]) > 0.0  # never a division by zero
+    long = answer(100_000, 100_000)  # a delta of many steps is sampled, not summed step by step
+    assert schedule_scale(lambda s: 1.0, [long], [1.0]) == 1.0

@@ -77,11 +77,19 @@ def service(tmp_path_factory):
     svc.handshakes.close()
 
 
+# every message kind the service has a handler for (on_<kind>): a new one is fuzzed here too
+KINDS = sorted(name.removeprefix("on_") for name in dir(SyncerService) if name.startswith("on_"))
+
+
+def test_the_handler_table_is_every_on_method(service):
+    assert sorted(service.handlers) == KINDS and len(KINDS) >= 6
+
+
 @settings(
     max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
 @given(
-    kind=st.sampled_from(["hello", "progress", "answer", "peers", "inline", "bye", "what"]),
+    kind=st.sampled_from([*KINDS, "what"]),  # every kind a handler takes, and an unknown one
     meta=METAS,
     payload=st.binary(max_size=64),
     m=st.integers(0, 1),

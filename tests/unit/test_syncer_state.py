@@ -9,9 +9,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ddiloco.core.learner_state import APPLY_RULES, LearnerSync
 from ddiloco.core.ledger import TokenLedger
 from ddiloco.core.outer import OuterConfig
-from ddiloco.core.plans import TensorSpec, build_plan, gather
+from ddiloco.core.plans import TensorSpec, build_plan, gather, scatter
 from ddiloco.core.rounds import AnswerMeta, RoundConfig, Verdict
 from ddiloco.core.syncer_state import SyncerConfig, SyncerState
 from ddiloco.errors import ConfigError
@@ -52,6 +53,24 @@ def test_single_learner_with_lr_one_sgd_lands_exactly_on_the_learner():
         torch.testing.assert_close(got, want)
 
 
+@pytest.mark.parametrize("claimed", [1, 0, 10**9])
+def test_the_schedule_factor_is_taken_at_the_credited_step_not_the_claimed_one(claimed):
+    plan = build_plan(SPECS, 2, "tensor", sync_every=2)
+    cfg = SyncerConfig(RoundConfig(quorum=1), "rda", OuterConfig("nesterov"))
+
+    def factor(step: int) -> float:
+        return 1.0 if step < 100 else 0.1
+
+    syncer = SyncerState(plan, _params(), cfg, plain_tensors={"emb.weight"}, schedule=factor)
+    syncer.policy.join(0)
+    (rnd,) = syncer.on_progress(0, 1, now=0.0, step_seconds=1.0)  # what it is credited with
+    delta = [torch.full_like(t, 0.1) for t in syncer.fragments[rnd.fragment]]
+    meta = AnswerMeta(0, 0, 0, rnd.fragment, rnd.round_id, 0, claimed, 1, 100)
+    assert syncer.on_answer(meta, delta, now=0.1) is Verdict.ACCEPTED
+    (result,) = syncer.poll(now=0.1)
+    assert result.schedule_scale == 1.0  # step 0 of the schedule, whatever the claim
+
+
 def test_non_finite_and_misshapen_updates_are_refused():
     syncer = _syncer()
     syncer.policy.join(0)
@@ -70,22 +89,46 @@ def test_non_finite_and_misshapen_updates_are_refused():
 
 
 class _Learner:
-    def __init__(self, lid: int, syncer: SyncerState) -> None:
-        self.id, self.life, self.seq, self.step = lid, 0, 0, 0
+    """A learner's real synchronization state (core/learner_state.py) and its parameters."""
+
+    def __init__(self, lid: int, syncer: SyncerState, apply: str) -> None:
+        self.id, self.life, self.apply = lid, 0, apply
         self.params = {k: v.clone() for k, v in _params().items()}
-        self.base = [0] * syncer.plan.num_fragments
-        self.c_steps = [0] * syncer.plan.num_fragments
-        self.c_tokens = [0] * syncer.plan.num_fragments
+        self.sync = LearnerSync(lid, syncer.plan, self.params, apply=apply)
+
+    def restart(self, syncer: SyncerState) -> None:
+        """A new life: the global fragments, counters at zero."""
+        self.life += 1
+        for p, values in enumerate(syncer.fragments):
+            scatter(syncer.plan, p, self.params, values)
+        step = self.sync.step
+        self.sync = LearnerSync(
+            self.id,
+            syncer.plan,
+            self.params,
+            incarnation=self.life,
+            apply=self.apply,
+            versions=syncer.versions,
+        )
+        self.sync.step = step
 
 
 @settings(max_examples=60, deadline=None)
-@given(seed=st.integers(0, 2**32 - 1), k=st.integers(1, 3), staleness=st.integers(0, 2))
-def test_ledger_balances_under_random_event_sequences(seed, k, staleness):
-    """Crashes, losses, duplicates, reordering, late answers: every token is accounted for."""
+@given(
+    seed=st.integers(0, 2**32 - 1),
+    k=st.integers(1, 3),
+    staleness=st.integers(0, 2),
+    apply=st.sampled_from(APPLY_RULES),
+)
+def test_ledger_balances_under_random_event_sequences(seed, k, staleness, apply):
+    """Crashes, losses, duplicates, reordering, late answers, under every apply rule: every
+    token is accounted for, and the learners' counters never claim more than the ledger
+    credits (carried progress is neither lost nor counted twice)."""
     rng = random.Random(seed)
-    ledger = TokenLedger(2)
+    carry = apply == "carry"
+    ledger = TokenLedger(2, carry=carry)
     syncer = _syncer(k=k, ledger=ledger, max_staleness=staleness)
-    learners = [_Learner(m, syncer) for m in range(3)]
+    learners = [_Learner(m, syncer, apply) for m in range(3)]
     for lr in learners:
         syncer.policy.join(lr.id)
     in_flight: list[tuple[AnswerMeta, list[torch.Tensor]]] = []
@@ -96,32 +139,18 @@ def test_ledger_balances_under_random_event_sequences(seed, k, staleness):
         action = rng.random()
         if action < 0.45:  # a training step
             tokens = rng.randint(1, 50)
-            lr.step += 1
-            for p in range(2):
-                lr.c_steps[p] += 1
-                lr.c_tokens[p] += tokens
             for t in lr.params.values():
                 t.add_(0.01 * rng.random())
+            lr.sync.stepped(tokens)
             ledger.trained(lr.id, tokens)
-            for rnd in syncer.on_progress(lr.id, lr.step, now, step_seconds=1.0):
+            for rnd in syncer.on_progress(lr.id, lr.sync.step, now, step_seconds=1.0):
                 for m in sorted(rnd.asked):
-                    ask = learners[m]
-                    p = rnd.fragment
-                    meta = AnswerMeta(
-                        m,
-                        ask.life,
-                        ask.seq,
-                        p,
-                        rnd.round_id,
-                        ask.base[p],
-                        ask.step,
-                        ask.c_steps[p],
-                        ask.c_tokens[p],
-                    )
-                    ask.seq += 1
-                    ledger.answered(m, p, meta.key, meta.c_tokens)
-                    delta = [torch.full_like(f, 0.01) for f in syncer.fragments[p]]
-                    in_flight.append((meta, delta))
+                    answer = learners[m].sync.answer(rnd.fragment, rnd.round_id, learners[m].params)
+                    meta = answer.meta
+                    since, _ = ledger.counters(m, meta.fragment)
+                    assert meta.c_tokens == since  # the learner claims what the ledger credits
+                    ledger.answered(m, meta.fragment, meta.key, meta.c_tokens)
+                    in_flight.append((meta, answer.delta))
         elif action < 0.75 and in_flight:  # deliver one message (any order), maybe twice
             meta, delta = in_flight.pop(rng.randrange(len(in_flight)))
             if rng.random() < 0.1:
@@ -132,20 +161,19 @@ def test_ledger_balances_under_random_event_sequences(seed, k, staleness):
                 assert syncer.on_answer(meta, delta, now) is Verdict.DUPLICATE
         elif action < 0.95:
             for result in syncer.poll(now + rng.random() * 2):
+                p = result.fragment
                 for rec in learners:
                     if rec.id in syncer.policy.progress:
-                        rec.base[result.fragment] = result.version
-                        rec.c_steps[result.fragment] = rec.c_tokens[result.fragment] = 0
-                        ledger.rebased(rec.id, result.fragment)
+                        values = syncer.fragments[p]
+                        if rec.sync.apply(p, result.version, values, rec.params):
+                            ledger.rebased(rec.id, p)
+                            since, _ = ledger.counters(rec.id, p)
+                            assert rec.sync.c_tokens[p] == since
         else:  # crash and restart with a new life
             ledger.crashed(lr.id)
             syncer.policy.leave(lr.id, now)
-            lr.life += 1
-            lr.seq = 0
-            lr.c_steps = [0, 0]
-            lr.c_tokens = [0, 0]
-            lr.base = list(syncer.versions)
-            syncer.policy.join(lr.id, lr.step)
+            lr.restart(syncer)
+            syncer.policy.join(lr.id, lr.sync.step)
         assert ledger.balanced()
     for meta, _ in in_flight:
         ledger.wasted_answer(meta.key, "lost_in_flight")
@@ -155,6 +183,10 @@ def test_ledger_balances_under_random_event_sequences(seed, k, staleness):
     total = summary["tokens_merged"] + sum(summary["tokens_wasted"].values())
     assert total == pytest.approx(summary["tokens"])
     assert all(v >= 0 for v in summary["tokens_wasted"].values())
+    if carry:
+        assert "overwritten" not in summary["tokens_wasted"]  # nothing is thrown away
+    else:
+        assert summary["tokens_carried"] == 0
 
 
 def test_ledger_refuses_impossible_counters():

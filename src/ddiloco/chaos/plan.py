@@ -19,7 +19,7 @@ from typing import Any
 
 from ddiloco.errors import ConfigError, require
 
-CHAOS_KINDS = ("crash", "freeze", "slow", "link_slow", "link_cut", "join", "leave")
+CHAOS_KINDS = ("crash", "freeze", "slow", "link_slow", "link_cut", "join", "leave", "preempt")
 SECONDS_PER_HOUR = 3600.0
 
 
@@ -30,7 +30,9 @@ class ChaosEvent:
     crash: dies, restarts after ``duration`` and copies a peer; freeze: stopped for
     ``duration``; slow: steps ``factor`` x longer; link_slow: bandwidth / ``factor``;
     link_cut: its links carry nothing for ``duration``; join: a scavenged slot arrives;
-    leave: goes away cleanly. A ``duration`` of 0 on slow/link_slow lasts to the end.
+    leave: goes away cleanly; preempt: reclaimed with notice (a spot machine): leaves
+    cleanly, so no one waits to detect it, and is back after ``duration``, copying a peer.
+    A ``duration`` of 0 on slow/link_slow lasts to the end.
     """
 
     at: float
@@ -45,6 +47,18 @@ class ChaosEvent:
         require(self.learner >= 0, "chaos.learner", self.learner, "must be >= 0")
         require(self.duration >= 0, "chaos.duration", self.duration, "must be >= 0")
         require(self.factor > 0, "chaos.factor", self.factor, "must be > 0")
+
+
+def chaos_record(event: ChaosEvent, t: float) -> dict[str, Any]:
+    """The ``chaos`` metrics record of ``event`` struck at time ``t`` (every runtime's)."""
+    return {
+        "kind": "chaos",
+        "t": t,
+        "event": event.kind,
+        "learner": event.learner,
+        "duration": event.duration,
+        "factor": event.factor,
+    }
 
 
 @dataclass(frozen=True)

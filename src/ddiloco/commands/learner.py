@@ -2,7 +2,8 @@
 
 Connects to the syncer (``--syncer HOST:PORT``), serves snapshots to newcomers on
 ``--peer-host`` (a free port), and trains until the syncer says stop. ``--join`` first copies
-a healthy peer's state (a restart, or scavenged compute arriving at any time);
+a healthy peer's state (a restart, or scavenged compute arriving at any time); ``--resume``
+starts from this learner's newest local checkpoint in ``--state-dir`` (a resumed run);
 ``--leave-after SECONDS`` goes away cleanly (SIGTERM does too).
 """
 
@@ -11,6 +12,7 @@ from __future__ import annotations
 import argparse
 import logging
 import time
+from pathlib import Path
 
 from ddiloco.commands.syncer import add_common
 from ddiloco.config import load_config
@@ -38,6 +40,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--peer-host", default="127.0.0.1", help="address peers reach this learner's snapshots on"
     )
     parser.add_argument("--max-steps", type=int, default=0, help="stop after N steps (0: never)")
+    parser.add_argument(
+        "--state-dir",
+        help="where this learner keeps its local checkpoints (default: runs/<name>-learner-<id>)",
+    )
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help="start from the newest local checkpoint in --state-dir (else as --join)",
+    )
     add_common(parser)
 
 
@@ -66,5 +77,7 @@ def run(args: argparse.Namespace) -> int:
         leave_after=args.leave_after,
         peer_host=args.peer_host,
         max_steps=args.max_steps,
+        state_dir=Path(args.state_dir or f"runs/{config.name}-learner-{args.id}"),
+        resume=args.resume,
     )
     return process.run()

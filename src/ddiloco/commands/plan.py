@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
+from ddiloco.config import RunConfig
 from ddiloco.core.plans import PARTITIONS, FragmentPlan, build_plan, tensor_specs
 from ddiloco.models.registry import DEFAULT_MODEL, build_model
 from ddiloco.report.text import human_bytes, table
@@ -14,8 +15,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model",
         default=DEFAULT_MODEL,
-        help="a built-in GPT config (gpt-tiny, gpt-1m, gpt-4m, gpt-12m, gpt-50m) or "
-        "module:function returning a torch.nn.Module (default: %(default)s)",
+        help="a built-in GPT config (gpt-tiny, gpt-1m, gpt-4m, gpt-12m, gpt-50m), hf:PATH "
+        "(a local Hugging Face model directory) or module:function returning a "
+        "torch.nn.Module (default: %(default)s)",
     )
     parser.add_argument("--fragments", "-P", type=int, default=24, help="P (default: 24)")
     parser.add_argument(
@@ -31,7 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    model = build_model(args.model)
+    model = build_model(args.model, RunConfig(model=args.model))  # as a default run builds it
     plan = build_plan(
         tensor_specs(model),
         args.fragments,

@@ -30,18 +30,21 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ddiloco.chaos.plan import ChaosEvent, ChaosGenerators, expand, load_plan, to_json
+from ddiloco.checkpoints.write import CheckpointWriter
 from ddiloco.commands import add_config_arguments
 from ddiloco.config import RunConfig, load_config, to_toml
-from ddiloco.data.corpus import TokenSplits, split_corpus
+from ddiloco.data.corpus import TokenSplits
+from ddiloco.errors import ConfigError
 from ddiloco.methods import method_for
-from ddiloco.models.registry import build_model
 from ddiloco.report.metrics import MetricsWriter, Progress, write_json
 from ddiloco.report.plots import plot_run
+from ddiloco.report.summary import add_equal_time
 from ddiloco.report.text import human_bytes, table
-from ddiloco.runtime.run import RunSetup, make_eval_batches
+from ddiloco.runtime.contract import assemble, check_contract
+from ddiloco.runtime.resume import last_time, refuse_reuse, resumed_config
+from ddiloco.runtime.run import RunSetup
 from ddiloco.runtime.sim.data_parallel import DataParallelSim
 from ddiloco.runtime.sim.engine import FragmentSim
-from ddiloco.trainer import sequence_length
 
 if TYPE_CHECKING:
     from ddiloco.runtime.processes.launcher.data_parallel import DataParallelJob
@@ -62,6 +65,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, help="override the config's seed")
     parser.add_argument("--out", help="run directory (default: runs/<name>-<time>)")
     parser.add_argument("--quiet", action="store_true", help="no live progress lines")
+    parser.add_argument(
+        "--resume",
+        metavar="RUN",
+        help="continue a stopped or crashed processes run in its directory (its own config; "
+        "--set may change the budget, the eval and checkpoint cadence, processes.*)",
+    )
     parser.add_argument(
         "--runtime",
         choices=("sim", "processes"),
@@ -90,13 +99,20 @@ def resolve(args: argparse.Namespace) -> RunConfig:
 
 
 def run(args: argparse.Namespace) -> int:
-    config = resolve(args)
-    out = Path(args.out or f"runs/{config.name}-{time.strftime('%Y%m%d-%H%M%S')}")
+    if args.resume:
+        if args.config or args.out or args.seed is not None or args.runtime:
+            why = "a resumed run keeps its own config and directory: use --set to change it"
+            raise ConfigError("--resume", args.resume, why)
+        out = Path(args.resume)
+        config = resumed_config(out, list(args.set))
+    else:
+        config = resolve(args)
+        out = Path(args.out or f"runs/{config.name}-{time.strftime('%Y%m%d-%H%M%S')}")
     out.mkdir(parents=True, exist_ok=True)
     from ddiloco.runtime.processes.launcher.supervision import LaunchError
 
     try:
-        summaries = train(config, out, quiet=args.quiet)
+        summaries = train(config, out, quiet=args.quiet, resume=bool(args.resume))
     except LaunchError as exc:
         print(exc.details(), file=sys.stderr, flush=True)
         raise  # the cli's one-line error, exit status 2
@@ -106,6 +122,7 @@ def run(args: argparse.Namespace) -> int:
     print()
     print(render(summaries))
     print(f"\nrun directory: {out}")
+    print(models(summaries, out))
     stopped = next((s["stop_signal"] for s in summaries if s.get("stop_signal")), None)
     if stopped:
         print(f"stopped early by {stopped}: summary.json and the plots cover the run so far")
@@ -113,25 +130,33 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def train(config: RunConfig, out: Path, quiet: bool = False) -> list[dict[str, Any]]:
-    """Run every method of ``config``; write config, chaos plan, metrics, summary, plots."""
+def train(
+    config: RunConfig, out: Path, quiet: bool = False, resume: bool = False
+) -> list[dict[str, Any]]:
+    """Run every method of ``config``; write config, chaos plan, metrics, summary, plots.
+    ``resume``: continue the processes run in ``out`` (:mod:`ddiloco.runtime.resume`)."""
     torch.set_num_threads(max(1, min(torch.get_num_threads(), 2)))
     processes = config.runtime == "processes"
     if processes:  # refuse what cannot train before any process starts (or crash-loops)
         from ddiloco.runtime.processes.launcher import preflight
 
         seq_len = preflight.check(config, config.methods[0]).seq_len
-    else:
-        seq_len = sequence_length(build_model(config.model))
+    else:  # the same model contract on the simulated clock, before the first method
+        setup = assemble(config, config.methods[0])
+        check_contract(setup)
+        seq_len = setup.seq_len
+    if processes and not resume:
+        refuse_reuse(out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "config.toml").write_text(to_toml(config), encoding="utf-8")
-    config = with_expanded_chaos(config, seq_len)
-    write_json(out / "chaos_plan.json", to_json(config.chaos))
+    t0 = time.time() - last_time(out) if resume else None  # times go on from the last record
+    if not resume:  # a resume keeps the first launch's config and chaos plan
+        (out / "config.toml").write_text(to_toml(config), encoding="utf-8")
+        config = with_expanded_chaos(config, seq_len)
+        write_json(out / "chaos_plan.json", to_json(config.chaos))
     if not processes:  # each process splits the corpus on its own
-        slots = config.train.learners + config.train.scavenged
-        splits = split_corpus(config.data.source, slots, config.data.eval_fraction)
-        evals = make_eval_batches(config, splits, seq_len)
-    metrics = MetricsWriter(out / "metrics.jsonl")
+        splits, evals = setup.splits, setup.eval_batches  # split once, for every method
+        del setup  # the contract's model: every method builds its own
+    metrics = MetricsWriter(out / "metrics.jsonl", append=resume)
     progress = Progress(config.train.tokens, quiet=quiet)
     summaries = []
     try:
@@ -146,17 +171,18 @@ def train(config: RunConfig, out: Path, quiet: bool = False) -> list[dict[str, A
 
             started = time.monotonic()
             if processes:
-                job = process_job(config, method, out, emit)
+                job = process_job(config, method, out, emit, resume, t0)
                 with stopping_on_signals(job):
                     summary = job.run()
             else:
-                summary = run_method(config, method, splits, evals, emit)
+                summary = run_method(config, method, splits, evals, emit, out)
             summary["wall_seconds"] = time.monotonic() - started
             summaries.append(summary)
             if summary.get("stop_signal"):
                 break  # the user stopped the run: not the next method either
     finally:
         metrics.close()
+    add_equal_time(summaries, eval_curves(out / "metrics.jsonl"))
     primary = dict(summaries[0])
     primary["methods"] = {s["method"]: s for s in summaries}
     write_json(out / "summary.json", primary)
@@ -165,16 +191,21 @@ def train(config: RunConfig, out: Path, quiet: bool = False) -> list[dict[str, A
 
 
 def process_job(
-    config: RunConfig, method: str, out: Path, emit: Callable[[dict[str, Any]], None]
+    config: RunConfig,
+    method: str,
+    out: Path,
+    emit: Callable[[dict[str, Any]], None],
+    resume: bool = False,
+    t0: float | None = None,
 ) -> Launcher | DataParallelJob:
     """One method's real processes: a syncer and learners, or a torchrun DDP job."""
     if method_for(config, method).fragments:
         from ddiloco.runtime.processes.launcher.fragments import Launcher
 
-        return Launcher(config, method, out, emit)
+        return Launcher(config, method, out, emit, resume=resume, t0=t0)
     from ddiloco.runtime.processes.launcher.data_parallel import DataParallelJob
 
-    return DataParallelJob(config, method, out, emit)
+    return DataParallelJob(config, method, out, emit, resume=resume, t0=t0)
 
 
 @contextlib.contextmanager
@@ -223,7 +254,7 @@ def with_expanded_chaos(config: RunConfig, seq_len: int) -> RunConfig:
         t = config.train
         horizon = config.chaos_gen.horizon_seconds
         if horizon == 0:  # twice the failure-free duration of the slowest learner
-            steps = t.tokens / (t.learners * t.batch_size * seq_len)
+            steps = t.tokens / (t.learners * t.batch_size * t.grad_accum * seq_len)
             slowest = max(config.hardware.speed, default=1.0)
             horizon = 2.0 * steps * config.hardware.step_seconds * slowest
         rng = random.Random(config.seed * 7919 + 17)
@@ -237,12 +268,26 @@ def run_method(
     splits: TokenSplits,
     evals: list[tuple[torch.Tensor, torch.Tensor]],
     emit: Callable[[dict[str, Any]], None],
+    out: Path | None = None,
 ) -> dict[str, Any]:
-    """One method on the simulated clock."""
+    """One method on the simulated clock (writing its checkpoints into run ``out``)."""
     setup = RunSetup(config, method, splits_given=splits, evals_given=evals)
+    writer = CheckpointWriter(setup, out) if out is not None else None
     if setup.method.fragments:
-        return FragmentSim(setup, emit).run()
-    return DataParallelSim(setup, emit).run()
+        return FragmentSim(setup, emit, writer).run()
+    return DataParallelSim(setup, emit, writer).run()
+
+
+def eval_curves(path: Path) -> dict[str, list[tuple[float, float]]]:
+    """Each method's (time, eval loss) evaluations, from a run's metrics (a resumed run's
+    earlier launches included)."""
+    curves: dict[str, list[tuple[float, float]]] = {}
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            r = json.loads(line)
+            if r.get("kind") == "eval" and "t" in r:
+                curves.setdefault(r["method"], []).append((float(r["t"]), float(r["loss"])))
+    return curves
 
 
 def render(summaries: list[dict[str, Any]]) -> str:
@@ -250,10 +295,13 @@ def render(summaries: list[dict[str, Any]]) -> str:
     rows = []
     for s in summaries:
         wasted = sum(s["tokens_wasted"].values())
+        at_time = s.get("eval_loss_equal_time")
         rows.append(
             [
                 s["method"],
                 f"{s['eval_loss']:.4f}",
+                f"{at_time:.4f}" if at_time is not None else "-",
+                f"{s['eval_bpb']:.4f}" if s.get("eval_bpb") is not None else "-",
                 f"{s['tokens']:,}",
                 f"{s['tokens_merged']:,.0f}",
                 f"{wasted:,.0f}",
@@ -263,19 +311,27 @@ def render(summaries: list[dict[str, Any]]) -> str:
                 human_bytes(s["bytes_per_token"]),
             ]
         )
+    clock = "wall s" if all(s.get("clock") == "wall" for s in summaries) else "virtual s"
+    horizon = summaries[0].get("equal_time_seconds", summaries[0]["virtual_seconds"])
     text = table(
         [
             "method",
             "eval loss",
+            f"at {horizon:.0f} {clock}",
+            "bits/byte",
             "tokens",
             "merged",
             "wasted",
             "goodput",
             "uptime",
-            "wall s" if all(s.get("clock") == "wall" for s in summaries) else "virtual s",
+            clock,
             "bytes/token",
         ],
         rows,
+    )
+    text += (
+        f"\n(eval loss: at equal tokens; at {horizon:.0f} {clock}: when {summaries[0]['method']}"
+        " finished, between evaluations)"
     )
     for s in summaries:
         if s["tokens_wasted"]:
@@ -283,3 +339,12 @@ def render(summaries: list[dict[str, Any]]) -> str:
                 {k: round(v) for k, v in s["tokens_wasted"].items()}
             )
     return text
+
+
+def models(summaries: list[dict[str, Any]], out: Path) -> str:
+    """Where each method's global model is, and the commands that use it."""
+    lines = [f"{s['method']} model: {out / s['checkpoint']}" for s in summaries if s["checkpoint"]]
+    if not lines:
+        return "no checkpoint written (the run stopped first): ddiloco export can recover one"
+    use = f"ddiloco sample|eval {out}, ddiloco export {out} --out DIR"
+    return "\n".join([*lines, f"use it: {use}"])

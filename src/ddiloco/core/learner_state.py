@@ -5,6 +5,17 @@ received (and a copy of those global values, to compute its delta against), the 
 token counters since that base, and the sequence numbers of its answers. Runtimes call
 ``stepped`` after every training step, ``answer`` when the syncer asks for a fragment (after
 the step in progress), and ``apply`` when a merged fragment arrives between two steps.
+
+How a merged fragment Theta_p meets the learner's own theta_p is the apply rule
+(docs/decisions.md 68):
+
+* ``overwrite`` (the paper): theta_p <- Theta_p; the steps made since the last answer's
+  snapshot S_p are lost (the ledger counts them "overwritten");
+* ``blend`` (Streaming DiLoCo): theta_p <- alpha * theta_p + (1 - alpha) * Theta_p; the kept
+  share is not credited to any answer (also counted "overwritten");
+* ``carry``: theta_p <- Theta_p + (theta_p - S_p): the progress made since the snapshot the
+  syncer has (or never had: S_p is the base then) is kept, and so are its step and token
+  counters, so it rides with the learner's next answer (the ledger counts it "carried").
 """
 
 from __future__ import annotations
@@ -17,6 +28,8 @@ import torch
 from ddiloco.core.plans import FragmentPlan, gather, scatter
 from ddiloco.core.rounds import AnswerMeta
 from ddiloco.errors import ConfigError, require
+
+APPLY_RULES = ("overwrite", "blend", "carry")
 
 
 @dataclass(frozen=True)
@@ -37,13 +50,16 @@ class LearnerSync:
         params: Mapping[str, torch.Tensor],
         *,
         incarnation: int = 0,
-        blend: float = 0.0,
+        apply: str = "overwrite",
+        blend: float = 0.5,
         versions: Sequence[int] | None = None,
     ) -> None:
-        require(0.0 <= blend < 1.0, "blend", blend, "alpha must be in [0, 1)")
+        require(apply in APPLY_RULES, "apply", apply, f"known: {APPLY_RULES}")
+        require(0.0 < blend < 1.0, "blend", blend, "alpha must be in (0, 1)")
         self.learner = learner
         self.plan = plan
         self.incarnation = incarnation
+        self.rule = apply
         self.blend = blend
         p = plan.num_fragments
         self.versions = list(versions) if versions is not None else [0] * p
@@ -55,6 +71,9 @@ class LearnerSync:
             ]
         self.c_steps = [0] * p
         self.c_tokens = [0] * p
+        # carry: per fragment, the values and counters of the last answer on the current base
+        self.snapshots: list[list[torch.Tensor] | None] = [None] * p
+        self.snapshot_counters = [(0, 0)] * p  # (c_steps, c_tokens) at that answer
         self.seq = 0
         self.step = 0
 
@@ -87,7 +106,22 @@ class LearnerSync:
             c_tokens=self.c_tokens[fragment],
         )
         self.seq += 1
+        self.snapshot(fragment, params)
         return Answer(meta, delta)
+
+    @torch.no_grad()
+    def snapshot(self, fragment: int, params: Mapping[str, torch.Tensor]) -> None:
+        """Under ``carry``, remember ``fragment``'s values and counters now: what the syncer
+        has of this learner (:meth:`answer` calls it; so does every other rank of a learner,
+        at the fragments rank 0 answered, to stay identical). Other rules keep nothing."""
+        self._check(fragment)
+        if self.rule != "carry":
+            return
+        self.snapshots[fragment] = [
+            t.detach().to("cpu", torch.float32, copy=True)
+            for t in gather(self.plan, fragment, params)
+        ]
+        self.snapshot_counters[fragment] = (self.c_steps[fragment], self.c_tokens[fragment])
 
     @torch.no_grad()
     def apply(
@@ -97,8 +131,9 @@ class LearnerSync:
         values: Sequence[torch.Tensor],
         params: Mapping[str, torch.Tensor],
     ) -> bool:
-        """A merged fragment arrived: overwrite (or blend) the parameters, rebase, reset the
-        counters. An older version than the one held is ignored (returns False)."""
+        """A merged fragment arrived: apply it by the rule, rebase, move the counters (to
+        zero, or past the snapshot under ``carry``). An older version than the one held is
+        ignored (returns False)."""
         self._check(fragment)
         if version <= self.versions[fragment]:
             return False
@@ -108,19 +143,31 @@ class LearnerSync:
         ):
             raise ConfigError("values", len(values), f"do not match fragment {fragment}'s shapes")
         new_base = [v.detach().to("cpu", torch.float32, copy=True) for v in values]
-        if self.blend > 0.0:
-            current = gather(self.plan, fragment, params)
-            mixed = [
-                c.detach().float().mul(self.blend).add_(v, alpha=1.0 - self.blend)
-                for c, v in zip(current, new_base, strict=True)
-            ]
-            scatter(self.plan, fragment, params, mixed)
-        else:
+        steps, tokens = 0, 0
+        if self.rule == "overwrite":
             scatter(self.plan, fragment, params, new_base)
+        else:
+            current = [
+                c.detach().to("cpu", torch.float32) for c in gather(self.plan, fragment, params)
+            ]
+            if self.rule == "blend":
+                kept = [
+                    c.mul(self.blend).add_(v, alpha=1.0 - self.blend)
+                    for c, v in zip(current, new_base, strict=True)
+                ]
+            else:  # carry: the progress since the syncer's copy, on the merged values
+                since = self.snapshots[fragment] or expected
+                kept = [c.sub(s).add_(v) for c, s, v in zip(current, since, new_base, strict=True)]
+                snap_steps, snap_tokens = self.snapshot_counters[fragment]
+                steps = self.c_steps[fragment] - snap_steps
+                tokens = self.c_tokens[fragment] - snap_tokens
+            scatter(self.plan, fragment, params, kept)
         self.bases[fragment] = new_base
         self.versions[fragment] = version
-        self.c_steps[fragment] = 0
-        self.c_tokens[fragment] = 0
+        self.c_steps[fragment] = steps
+        self.c_tokens[fragment] = tokens
+        self.snapshots[fragment] = None
+        self.snapshot_counters[fragment] = (0, 0)
         return True
 
     def state_dict(self) -> dict[str, object]:
@@ -131,9 +178,13 @@ class LearnerSync:
             "step": self.step,
         }
 
-    def load_peer_state(self, state: Mapping[str, object]) -> None:
+    def load_peer_state(
+        self, state: Mapping[str, object], params: Mapping[str, torch.Tensor] | None = None
+    ) -> None:
         """Adopt a healthy peer's bases and step. Counters start at zero: the peer's unpushed
-        tokens stay the peer's, so no token is counted twice."""
+        tokens stay the peer's, so no token is counted twice. Under ``carry``, ``params`` (the
+        copied values) is the snapshot: the peer pushes its own progress, the newcomer
+        carries only what it trains after the copy."""
         versions = state["versions"]
         bases = state["bases"]
         assert isinstance(versions, list) and isinstance(bases, list)
@@ -143,8 +194,20 @@ class LearnerSync:
         step = state["step"]
         assert isinstance(step, int)
         self.step = step
-        self.c_steps = [0] * self.plan.num_fragments
-        self.c_tokens = [0] * self.plan.num_fragments
+        p = self.plan.num_fragments
+        self.c_steps = [0] * p
+        self.c_tokens = [0] * p
+        self.snapshot_counters = [(0, 0)] * p
+        self.snapshots = [None] * p
+        if params is not None and self.rule == "carry":
+            with torch.no_grad():
+                self.snapshots = [
+                    [
+                        t.detach().to("cpu", torch.float32, copy=True)
+                        for t in gather(self.plan, f, params)
+                    ]
+                    for f in range(p)
+                ]
 
     def _check(self, fragment: int) -> None:
         require(0 <= fragment < self.plan.num_fragments, "fragment", fragment, "out of range")

@@ -6,6 +6,10 @@ an answer in flight, and the outcome of each answer. The totals balance per frag
 ``trained == merged + sum(wasted) + pending``, and tokens are reported as fragment-tokens / P,
 so ``tokens_merged`` reads as "tokens whose effect reached the global model".
 This is how goodput is computed honestly; it is pure bookkeeping, no tensors, no I/O.
+
+Under the ``carry`` apply rule (core/learner_state.py) a rebase loses nothing: the tokens
+trained since the learner's last answer stay pending on the new base, to ride with its next
+answer, and are also tallied in ``carried`` (a tally, not an outcome: the balance ignores it).
 """
 
 from __future__ import annotations
@@ -55,18 +59,21 @@ class SyncerLedger(Protocol):
 class TokenLedger:
     """Fragment-token accounting for one run."""
 
-    def __init__(self, num_fragments: int) -> None:
+    def __init__(self, num_fragments: int, *, carry: bool = False) -> None:
         require(num_fragments >= 1, "num_fragments", num_fragments, "must be >= 1")
         self.num_fragments = num_fragments
+        self.carry = carry  # the learners apply merged fragments by the carry rule
         self._since_base: dict[tuple[int, int], int] = defaultdict(int)
         self._reserved: dict[tuple[int, int], int] = defaultdict(int)
         self._steps_since: dict[tuple[int, int], int] = defaultdict(int)
+        self._reserved_steps: dict[tuple[int, int], int] = defaultdict(int)
         self._answers: dict[object, _Answer] = {}
         self.trained_tokens = 0
         self.trained_by_learner: dict[int, int] = defaultdict(int)
         self.merged = [0] * num_fragments
         self.merged_weight = 0.0
         self.wasted: dict[str, list[int]] = {}
+        self.carried = [0] * num_fragments  # fragment-tokens kept across a rebase (carry)
 
     # -- learner side -----------------------------------------------------------------------
     def trained(self, learner: int, tokens: int) -> None:
@@ -97,17 +104,26 @@ class TokenLedger:
         require(new >= 0, "c_tokens", c_tokens, "lower than an earlier answer on the same base")
         self._reserved[(learner, fragment)] = c_tokens
         steps = self._steps_since[(learner, fragment)]
+        self._reserved_steps[(learner, fragment)] = steps
         self._answers[key] = _Answer(learner, fragment, new, since, steps)
         return new
 
     def rebased(self, learner: int, fragment: int) -> None:
-        """A merged fragment overwrote the learner's copy: unpushed progress is lost."""
+        """A merged fragment reached the learner's copy: its unpushed progress is lost
+        (overwrite, blend), or carried onto the new base with its steps (carry)."""
         self._check_fragment(fragment)
-        lost = self._since_base[(learner, fragment)] - self._reserved[(learner, fragment)]
-        self._waste(OVERWRITTEN, fragment, lost)
-        self._since_base[(learner, fragment)] = 0
-        self._reserved[(learner, fragment)] = 0
-        self._steps_since[(learner, fragment)] = 0
+        cell = (learner, fragment)
+        unpushed = self._since_base[cell] - self._reserved[cell]
+        steps = self._steps_since[cell] - self._reserved_steps[cell]
+        if self.carry:
+            self.carried[fragment] += unpushed
+        else:
+            self._waste(OVERWRITTEN, fragment, unpushed)
+            unpushed = steps = 0
+        self._since_base[cell] = unpushed
+        self._steps_since[cell] = steps
+        self._reserved[cell] = 0
+        self._reserved_steps[cell] = 0
 
     def crashed(self, learner: int, reason: str = CRASH) -> None:
         """The learner died (or left): everything not yet pushed is lost for ``reason``;
@@ -117,6 +133,7 @@ class TokenLedger:
             self._since_base[(learner, p)] = 0
             self._reserved[(learner, p)] = 0
             self._steps_since[(learner, p)] = 0
+            self._reserved_steps[(learner, p)] = 0
 
     # -- syncer side ------------------------------------------------------------------------
     def merged_answer(self, key: object, weight: float) -> None:
@@ -144,13 +161,14 @@ class TokenLedger:
             self._since_base[(learner, p)] = 0
             self._reserved[(learner, p)] = 0
             self._steps_since[(learner, p)] = 0
+            self._reserved_steps[(learner, p)] = 0
 
     # -- plain-data state (a restarted syncer's durable record) -------------------------------
     def to_state(self) -> dict[str, Any]:
         """Everything this ledger knows, as plain values (ints, floats, strings, lists and
         string-keyed dicts), so any serializer (msgpack, JSON) can keep it. Answer keys must
         be ints, strings or tuples of them; tuples become lists."""
-        return {
+        state: dict[str, Any] = {
             "num_fragments": self.num_fragments,
             "trained_tokens": self.trained_tokens,
             "trained_by_learner": [[m, t] for m, t in sorted(self.trained_by_learner.items())],
@@ -165,6 +183,11 @@ class TokenLedger:
             "merged_weight": self.merged_weight,
             "wasted": {reason: list(v) for reason, v in sorted(self.wasted.items())},
         }
+        if self.carry:  # (only then: an overwrite run's state is what older stores hold)
+            state["carry"] = True
+            state["carried"] = list(self.carried)
+            state["reserved_steps"] = _cells(self._reserved_steps)
+        return state
 
     def load_state(self, state: Mapping[str, Any]) -> None:
         """Replace this ledger's content by ``state`` (from :meth:`to_state`); the state must
@@ -182,6 +205,9 @@ class TokenLedger:
             since = _uncells(state["since_base"], p)
             reserved = _uncells(state["reserved"], p)
             steps = _uncells(state.get("steps_since_base", []), p)  # (absent in older states)
+            reserved_steps = _uncells(state.get("reserved_steps", []), p)
+            carried = [_count(v) for v in state.get("carried", [0] * p)]
+            carry = state.get("carry", False)
             answers = {_tuple_key(row[0]): _answer(row, p) for row in state["answers"]}
             by_learner = {int(m): _count(t) for m, t in state["trained_by_learner"]}
             trained = _count(state["trained_tokens"])
@@ -189,7 +215,13 @@ class TokenLedger:
         except (KeyError, TypeError, ValueError) as exc:
             raise ConfigError("ledger", type(exc).__name__, f"malformed state: {exc}") from None
         require(
-            len(merged) == p and all(len(v) == p for v in wasted.values()),
+            carry == self.carry,
+            "ledger.carry",
+            carry,
+            f"this run's learners {'carry' if self.carry else 'do not carry'} progress",
+        )
+        require(
+            len(merged) == p and len(carried) == p and all(len(v) == p for v in wasted.values()),
             "ledger",
             "lengths",
             f"need {p} values per fragment",
@@ -199,6 +231,8 @@ class TokenLedger:
         self._since_base = defaultdict(int, since)
         self._reserved = defaultdict(int, reserved)
         self._steps_since = defaultdict(int, steps)
+        self._reserved_steps = defaultdict(int, reserved_steps)
+        self.carried = carried
         self._answers = answers
         self.merged = merged
         self.merged_weight = weight
@@ -207,7 +241,7 @@ class TokenLedger:
 
     @classmethod
     def from_state(cls, state: Mapping[str, Any]) -> TokenLedger:
-        ledger = cls(int(state["num_fragments"]))
+        ledger = cls(int(state["num_fragments"]), carry=bool(state.get("carry", False)))
         ledger.load_state(state)
         return ledger
 
@@ -260,6 +294,7 @@ class TokenLedger:
             "tokens_merged": sum(self.merged) * scale,
             "tokens_wasted": {r: sum(v) * scale for r, v in sorted(self.wasted.items())},
             "tokens_pending": sum(self.pending()) * scale,
+            "tokens_carried": sum(self.carried) * scale,
             "merged_weight": self.merged_weight,
             "balanced": self.balanced(),
         }

@@ -4,10 +4,20 @@ One optimizer instance per fragment, state in fp32 on the syncer whatever the wi
 The outer gradient is Delta = Theta_base - theta_learner (so a step *subtracts* it). The
 state is plain tensors and ints, saved and restored with ``state_dict`` so a syncer can be
 killed and restarted without losing momentum.
+
+``step`` takes a ``scale``: the inner learning-rate factor (lr / peak lr) of the steps the
+outer gradient covers (1.0 when the outer step does not follow the schedule). An outer
+gradient is a sum of inner steps, so it shrinks with the inner learning rate; momentum kept
+on it raw holds the large deltas of the peak while the schedule decays, and keeps pushing
+with them after the direction has changed (the divergence of docs/decisions.md 69). The
+momentum optimizers therefore keep their buffer in peak-lr units (Delta / scale) and apply
+it at the current scale: ``buf <- mu buf + Delta / s; Theta <- Theta - lr (Delta + mu s buf)``.
+With s = 1 it is plain Nesterov, bit for bit; with mu = 0 the scale changes nothing.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -55,7 +65,9 @@ class OuterOptimizer(Protocol):
     merge workspace, so the step needs no fresh allocation).
     """
 
-    def step(self, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> None: ...
+    def step(
+        self, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], scale: float = 1.0
+    ) -> None: ...
 
     def state_dict(self) -> dict[str, Any]: ...
 
@@ -80,8 +92,10 @@ class PlainSGD:
         self.steps = 0
 
     @torch.no_grad()
-    def step(self, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> None:
-        _check(params, grads)
+    def step(
+        self, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], scale: float = 1.0
+    ) -> None:
+        _check(params, grads)  # (no momentum: the scale changes nothing)
         for p, g in zip(params, grads, strict=True):
             p.add_(g, alpha=-self.lr)
         self.steps += 1
@@ -106,15 +120,19 @@ class NesterovSGD:
         self.steps = 0
 
     @torch.no_grad()
-    def step(self, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> None:
+    def step(
+        self, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], scale: float = 1.0
+    ) -> None:
         _check(params, grads)
-        if self.buffers is None:
-            self.buffers = [g.to(torch.float32, copy=True) for g in grads]
+        _check_scale(scale)
+        if self.buffers is None:  # (x * 1.0 and x / 1.0 are exact: s = 1 is plain Nesterov)
+            self.buffers = [g.to(torch.float32, copy=True).div_(scale) for g in grads]
         else:
             for buf, g in zip(self.buffers, grads, strict=True):
-                buf.mul_(self.momentum).add_(g)
+                buf.mul_(self.momentum).add_(g, alpha=1.0 / scale)
+        mu = self.momentum * scale
         for p, g, buf in zip(params, grads, self.buffers, strict=True):
-            p.add_(g.add_(buf, alpha=self.momentum), alpha=-self.lr)  # as torch's SGD, in place
+            p.add_(g.add_(buf, alpha=mu), alpha=-self.lr)  # as torch's SGD, in place
         self.steps += 1
 
     def state_dict(self) -> dict[str, Any]:
@@ -148,12 +166,15 @@ class DelayedNesterov:
         self.steps = 0
 
     @torch.no_grad()
-    def step(self, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> None:
+    def step(
+        self, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], scale: float = 1.0
+    ) -> None:
         _check(params, grads)
+        _check_scale(scale)
         if self.pending is None:
             self.pending = [torch.zeros_like(p) for p in params]
         for acc, g in zip(self.pending, grads, strict=True):
-            acc.add_(g)
+            acc.add_(g, alpha=1.0 / scale)
         self.steps += 1
         for p, g in zip(params, grads, strict=True):
             p.add_(g, alpha=-self.lr * self.scale)
@@ -163,7 +184,7 @@ class DelayedNesterov:
             self.buffers = [torch.zeros_like(p) for p in params]
         for p, buf, acc in zip(params, self.buffers, self.pending, strict=True):
             buf.mul_(self.momentum).add_(acc, alpha=1.0 / self.delay)
-            p.add_(buf, alpha=-self.lr * self.momentum)
+            p.add_(buf, alpha=-self.lr * self.momentum * scale)
             acc.zero_()
 
     def state_dict(self) -> dict[str, Any]:
@@ -173,6 +194,11 @@ class DelayedNesterov:
         self.steps = int(state["steps"])
         self.buffers = _copy(state["buffers"])
         self.pending = _copy(state["pending"])
+
+
+def _check_scale(scale: float) -> None:
+    if not (math.isfinite(scale) and scale > 0.0):
+        raise ConfigError("scale", scale, "the inner learning-rate factor must be finite and > 0")
 
 
 def _copy(tensors: Sequence[torch.Tensor] | None) -> list[torch.Tensor] | None:

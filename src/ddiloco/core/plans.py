@@ -254,15 +254,19 @@ class FragmentPlan:
 
 
 def layer_key(name: str) -> str:
-    """A tensor's layer group: the name up to its first integer component, else its first.
+    """A tensor's layer group: the name up to its first integer component, else its module
+    (the name without its last component).
 
-    ``blocks.3.attn.w`` -> ``blocks.3``; ``ln_f.weight`` -> ``ln_f``.
+    ``blocks.3.attn.w`` -> ``blocks.3``; ``ln_f.weight`` -> ``ln_f``; Hugging Face names
+    behind the adapter: ``hf.model.layers.2.mlp.up_proj.weight`` -> ``hf.model.layers.2``,
+    ``hf.model.norm.weight`` -> ``hf.model.norm`` (not one ``hf`` group of everything that
+    is not a layer: the embeddings, the final norm and the head stay apart).
     """
     parts = name.split(".")
     for i, part in enumerate(parts):
         if _INT_COMPONENT.fullmatch(part):
             return ".".join(parts[: i + 1])
-    return parts[0]
+    return ".".join(parts[:-1]) or name
 
 
 def _whole(spec: TensorSpec) -> Slice:

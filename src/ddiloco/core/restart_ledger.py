@@ -47,8 +47,8 @@ class RestartLedger:
       life in the snapshot as spanning a restart.
     """
 
-    def __init__(self, num_fragments: int) -> None:
-        self.book = TokenLedger(num_fragments)
+    def __init__(self, num_fragments: int, *, carry: bool = False) -> None:
+        self.book = TokenLedger(num_fragments, carry=carry)
         self.errors = 0
         self.lives: dict[int, int] = {}  # learner -> incarnation the ledger's state is of
         self.floor: dict[tuple[int, int], int] = {}  # base version of the last counted rebase

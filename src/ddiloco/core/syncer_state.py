@@ -4,14 +4,15 @@ Both runtimes drive this one object: they feed it progress reports, decoded answ
 time, and send out what it returns (asks and merged fragments). It holds the global fragments
 Theta_p in fp32, one outer optimizer per fragment, the round policy and (optionally) the
 syncer-side half of the token ledger. With ``robust`` on (the default) an answer is weighed by
-what the ledger credited, not what it claims, and its norm is bounded (core/robust.py).
+what the ledger credited, not what it claims, and its norm is bounded (core/robust.py). Given
+the inner learning-rate ``schedule``, the outer momentum follows it (core/outer.py).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -62,6 +63,31 @@ class SyncerConfig:
         )
 
 
+MIN_SCHEDULE_SCALE = 1e-6  # an outer gradient of steps at lr 0 changes no momentum unit
+SCHEDULE_SAMPLES = 256  # steps an answer's mean factor is taken over, at most (evenly spread)
+
+
+def schedule_scale(
+    schedule: Callable[[int], float] | None,
+    answers: Sequence[AnswerMeta],
+    weights: Sequence[float],
+) -> float:
+    """The inner learning-rate factor of a round's outer gradient: each answer's mean factor
+    over the steps its delta covers (``local_step - c_steps`` to ``local_step``), weighted as
+    the merge weighs its delta; 1.0 without a schedule."""
+    total = sum(weights)
+    if schedule is None or total <= 0.0:
+        return 1.0
+    acc = 0.0
+    for a, w in zip(answers, weights, strict=True):
+        first = max(0, a.local_step - a.c_steps)
+        span = range(first, max(a.local_step, first + 1))
+        stride = max(1, len(span) // SCHEDULE_SAMPLES)
+        steps = span[::stride]
+        acc += w * sum(schedule(s) for s in steps) / len(steps)
+    return max(acc / total, MIN_SCHEDULE_SCALE)
+
+
 def workspace_views(workspace: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """``like``'s shapes laid over the front of a flat merge workspace."""
     views, offset = [], 0
@@ -81,9 +107,11 @@ def merge_step(
     rule: str,
     plain: Sequence[bool],
     workspace: torch.Tensor,
+    scale: float = 1.0,
 ) -> float:
     """One merge of one fragment: the weighted outer gradient (RDA or mean) of the deltas,
-    built in ``workspace``, then the outer step in place. Returns the update's L2 norm.
+    built in ``workspace``, then the outer step in place at the inner learning-rate factor
+    ``scale`` (:func:`schedule_scale`). Returns the update's L2 norm.
 
     The one place the merge arithmetic lives: the syncer and any replay of its record (an
     audit, a restarted service) call it, so they get the same bits.
@@ -100,7 +128,7 @@ def merge_step(
         scale=-1.0,  # outer gradient = Theta_base - theta = -delta
     )
     norm = math.sqrt(sum(n * n for n in tensor_norms(merged)))
-    outer.step(fragment, merged)  # may consume ``merged``: the norm is taken first
+    outer.step(fragment, merged, scale)  # may consume ``merged``: the norm is taken first
     return norm
 
 
@@ -118,6 +146,7 @@ class MergeResult:
     # A replay of the merge applies ``robust.scaled`` with it; the round's answers already
     # carry the credited counters the weights came from.
     scales: tuple[float, ...] = ()
+    schedule_scale: float = 1.0  # the inner learning-rate factor of the outer step
 
     def record(self, broadcast_bytes: int) -> dict[str, Any]:
         """The ``round`` record every runtime writes to metrics.jsonl (without its time)."""
@@ -133,6 +162,7 @@ class MergeResult:
             "asked": rnd.asked,
             "weights": {str(k): v for k, v in sorted(self.weights.items())},
             "update_norm": self.update_norm,
+            "schedule_scale": self.schedule_scale,
             "broadcast_bytes": broadcast_bytes,
         }
 
@@ -148,9 +178,13 @@ class SyncerState:
         *,
         plain_tensors: Collection[str] = (),
         ledger: SyncerLedger | None = None,
+        schedule: Callable[[int], float] | None = None,
     ) -> None:
+        """``schedule``: the inner learning-rate factor (lr / peak lr) at an inner step, for
+        an outer momentum that follows it; None: plain outer steps."""
         self.plan = plan
         self.config = config
+        self.schedule = schedule
         self.policy = RoundPolicy(plan.num_fragments, plan.due, plan.sync_every, config.rounds)
         with torch.no_grad():
             self.fragments = [
@@ -237,6 +271,15 @@ class SyncerState:
         self._count("capped")
         return dataclasses.replace(meta, c_tokens=tokens, c_steps=steps), pace_steps
 
+    def _at_credited_step(self, answer: AnswerMeta) -> AnswerMeta:
+        """The answer as of the step its learner is credited with (its progress reports,
+        bounded by core/credit.py under processes), not the step it claims: a learner's
+        claim never picks the schedule factor its delta is merged at."""
+        step = self.policy.progress.get(answer.learner)
+        if step is None:  # (gone since it answered)
+            step = min(answer.local_step, self.policy.global_step)
+        return dataclasses.replace(answer, local_step=step)
+
     def _check_delta(self, p: int, delta: Sequence[torch.Tensor]) -> None:
         expected = self.fragments[p]
         if len(delta) != len(expected):
@@ -287,6 +330,8 @@ class SyncerState:
         per_learner: dict[int, float] = {}
         for a, w in zip(closed.answers, weights, strict=True):
             per_learner[a.learner] = per_learner.get(a.learner, 0.0) + w
+        spans = [self._at_credited_step(a) for a in closed.answers]
+        factor = schedule_scale(self.schedule, spans, weights)
         update_norm = merge_step(
             self.fragments[p],
             self.outer[p],
@@ -296,6 +341,7 @@ class SyncerState:
             self.config.merge_rule,
             self.plain_mask[p],
             self._workspace,
+            factor,
         )
         version = self.policy.on_merged(closed)
         for a, w in zip(closed.answers, weights, strict=True):
@@ -305,7 +351,7 @@ class SyncerState:
         if self.config.robust.enabled:
             self.param_norms[p] = answer_norm(tensor_norms(self.fragments[p]))
         return MergeResult(
-            p, version, self.fragments[p], closed, per_learner, update_norm, tuple(scales)
+            p, version, self.fragments[p], closed, per_learner, update_norm, tuple(scales), factor
         )
 
     def _clip(

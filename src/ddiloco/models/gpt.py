@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ddiloco.errors import require
+from ddiloco.models.embeddings import embedding_names as embedding_names  # its old home
 
 
 @dataclass(frozen=True)
@@ -178,13 +179,3 @@ class GPT(nn.Module):
             aux = sum(b.mlp.aux for b in self.blocks if isinstance(b.mlp, MoE))
             loss = loss + self.config.aux_loss * aux
         return logits, loss
-
-
-def embedding_names(model: nn.Module) -> set[str]:
-    """Names of parameters owned by ``nn.Embedding`` modules: RDA merges them with the mean."""
-    return {
-        f"{module_name}.{param_name}" if module_name else param_name
-        for module_name, module in model.named_modules()
-        if isinstance(module, nn.Embedding)
-        for param_name, _ in module.named_parameters(recurse=False)
-    }

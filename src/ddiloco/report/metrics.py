@@ -12,9 +12,11 @@ from typing import Any, TextIO
 class MetricsWriter:
     """Appends one JSON object per line to ``metrics.jsonl``, tagged with the method."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, append: bool = False) -> None:
+        """``append``: a resumed run adds to the records it has (never truncates them)."""
         self.path = path
-        self._file = path.open("w", encoding="utf-8")
+        # line-buffered: the records of a run killed at any moment are on disk
+        self._file = path.open("a" if append else "w", encoding="utf-8", buffering=1)
         self.method = ""
 
     def emit(self, record: dict[str, Any]) -> None:

@@ -15,11 +15,19 @@ final table read every run alike:
   learners for fragment methods; the job stepping for data-parallel).
 - ``virtual_seconds``: the run's duration on its clock (``clock``: "virtual" on the
   simulated clock, "wall" on real processes).
+- ``eval_bpb``: ``eval_loss`` in bits per byte of text, comparable across tokenizers.
+- ``checkpoint``: the method's last checkpoint of the global model, relative to the run
+  directory (None when none was written: a run stopped before it).
+- ``eval_loss_equal_time``: the eval loss at the first method's finishing time
+  (``equal_time_seconds``), linear between evaluations; a method done by then keeps its
+  final loss. Equal tokens and equal time tell different stories (a slower method may be
+  better per token and worse per second), so the final table shows both.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import itertools
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ddiloco.core import ledger as reasons
@@ -32,6 +40,8 @@ REQUIRED = (
     "runtime",
     "clock",
     "eval_loss",
+    "eval_bpb",
+    "checkpoint",
     "tokens",
     "tokens_merged",
     "tokens_wasted",
@@ -92,6 +102,8 @@ def summary(
     bytes_received: int,
     ledger_balanced: bool = True,
     idle_seconds: float = 0.0,
+    eval_bpb: float | None = None,
+    checkpoint: str | None = None,
     **extra: Any,
 ) -> dict[str, Any]:
     """One method's summary: the schema's keys (:data:`REQUIRED`), then the runtime's own."""
@@ -100,6 +112,8 @@ def summary(
         "runtime": runtime,
         "clock": "virtual" if runtime == "sim" else "wall",
         "eval_loss": eval_loss,
+        "eval_bpb": eval_bpb,
+        "checkpoint": checkpoint,
         "tokens": tokens,
         "tokens_merged": tokens_merged,
         "tokens_wasted": dict(tokens_wasted),
@@ -115,3 +129,26 @@ def summary(
     }
     out.update(extra)
     return out
+
+
+def loss_at(curve: Sequence[tuple[float, float]], t: float) -> float | None:
+    """The eval loss at time ``t`` on a curve of (time, loss) evaluations, linear between
+    two; the last loss once the curve has ended; None before the first evaluation."""
+    if not curve or t < curve[0][0]:
+        return None
+    for (t0, l0), (t1, l1) in itertools.pairwise(curve):
+        if t0 <= t <= t1:
+            return l0 if t1 == t0 else l0 + (l1 - l0) * (t - t0) / (t1 - t0)
+    return curve[-1][1]
+
+
+def add_equal_time(
+    summaries: Sequence[dict[str, Any]], curves: Mapping[str, Sequence[tuple[float, float]]]
+) -> None:
+    """Give every summary its eval loss at the first method's finishing time (in place)."""
+    if not summaries:
+        return
+    horizon = summaries[0]["virtual_seconds"]
+    for s in summaries:
+        s["equal_time_seconds"] = horizon
+        s["eval_loss_equal_time"] = loss_at(curves.get(s["method"], []), horizon)

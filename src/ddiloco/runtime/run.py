@@ -10,7 +10,7 @@ evaluation of the global fragments every runtime reports.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 
@@ -21,9 +21,9 @@ from ddiloco.config import RunConfig
 from ddiloco.core.plans import FragmentPlan, scatter
 from ddiloco.data.corpus import TokenSplits, eval_batches, split_corpus
 from ddiloco.methods import Method, method_for
-from ddiloco.models.gpt import embedding_names
+from ddiloco.models.embeddings import embedding_names
 from ddiloco.models.registry import build_model
-from ddiloco.trainer import evaluate, sequence_length
+from ddiloco.trainer import evaluate, learning_rate, sequence_length
 
 EVAL_BATCH_SIZE = 16  # sequences per evaluation batch (the eval set is data.eval_batches of them)
 
@@ -46,7 +46,7 @@ class RunSetup:
     def __post_init__(self) -> None:
         self.method = method_for(self.config, self.method_name)
         torch.manual_seed(self.config.seed)
-        self.model = build_model(self.config.model)
+        self.model = build_model(self.config.model, self.config)
         self.plan = self.method.sync.fragment_plan(self.model)
 
     @property
@@ -63,18 +63,29 @@ class RunSetup:
 
     @property
     def seq_len(self) -> int:
-        return sequence_length(self.model)
+        return sequence_length(self.model, self.config.train.seq_len)
 
     @property
     def tokens_per_step(self) -> int:
-        """Tokens one learner's step trains (one batch)."""
-        return self.config.train.batch_size * self.seq_len
+        """Tokens one learner's step trains (``grad_accum`` batches of ``batch_size``)."""
+        t = self.config.train
+        return t.batch_size * t.grad_accum * self.seq_len
 
     @property
     def steps_each(self) -> int:
         """Inner steps each learner plans for (its LR schedule's length)."""
         t = self.config.train
         return t.tokens // (t.learners * self.tokens_per_step)
+
+    def lr_factor(self, step: int) -> float:
+        """The inner learning rate at ``step`` over its peak: what the outer momentum
+        follows (core/outer.py)."""
+        t = self.config.train
+        return learning_rate(t, step, max(self.steps_each, 1)) / t.lr
+
+    def outer_schedule(self) -> Callable[[int], float] | None:
+        """The schedule the syncer's outer momentum follows; None: plain outer steps."""
+        return self.lr_factor if self.method.sync.outer_follows_schedule else None
 
     @cached_property
     def splits(self) -> TokenSplits:
@@ -90,7 +101,7 @@ class RunSetup:
 
     def replica(self) -> nn.Module:
         """A learner's model: the same architecture, starting from Theta_0."""
-        model = build_model(self.config.model)
+        model = build_model(self.config.model, self.config)
         model.load_state_dict(self.model.state_dict())
         return model
 

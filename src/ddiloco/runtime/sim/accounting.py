@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from ddiloco.data.info import bits_per_byte
 from ddiloco.report.summary import fragment_goodput, summary
 
 if TYPE_CHECKING:
@@ -16,7 +17,7 @@ def summarize(sim: FragmentSim, final_loss: float) -> dict[str, Any]:
     trained while down or waiting in lock-step (goodput's denominator)."""
     ledger = sim.ledger.summary()
     now = sim.clock.now
-    per_step = sim.config.train.batch_size * sim.seq_len
+    per_step = sim.setup.tokens_per_step
     lost_capacity = 0.0
     for n in sim.nodes:
         down = n.down_seconds + (now - n.down_since if n.down_since is not None else 0.0)
@@ -29,9 +30,12 @@ def summarize(sim: FragmentSim, final_loss: float) -> dict[str, Any]:
         method=sim.method.name,
         runtime="sim",
         eval_loss=final_loss,
+        eval_bpb=bits_per_byte(final_loss, sim.config.data.source),
+        checkpoint=sim.checkpoints.relative() if sim.checkpoints is not None else None,
         tokens=sim.tokens,
         tokens_merged=float(ledger["tokens_merged"]),  # type: ignore[arg-type]
         tokens_wasted=wasted,
+        tokens_carried=ledger["tokens_carried"],
         ledger_balanced=bool(ledger["balanced"]),
         goodput=fragment_goodput(sim.tokens, wasted, lost_capacity),
         uptime=sim.uptime.share(now),

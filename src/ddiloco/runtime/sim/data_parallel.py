@@ -16,24 +16,34 @@ from __future__ import annotations
 import copy
 import random
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from ddiloco.chaos.plan import ChaosEvent
+from ddiloco.chaos.plan import ChaosEvent, chaos_record
 from ddiloco.data.corpus import BatchStream
+from ddiloco.data.info import bits_per_byte
+from ddiloco.data.shards import concatenated
 from ddiloco.report.summary import summary
 from ddiloco.runtime.run import RunSetup
 from ddiloco.runtime.sim.world import Network, StepTimes
 from ddiloco.trainer import Trainer, evaluate
 
+if TYPE_CHECKING:
+    from ddiloco.checkpoints.write import CheckpointWriter
+
 
 class DataParallelSim:
-    """One data-parallel run, elastic or not."""
+    """One data-parallel run, elastic or not; with ``checkpoints``, writes the model every
+    ``train.checkpoint_every`` tokens it holds (rolled-back steps not counted) and at the end."""
 
-    def __init__(self, setup: RunSetup, emit: Callable[[dict[str, Any]], None]) -> None:
+    def __init__(
+        self,
+        setup: RunSetup,
+        emit: Callable[[dict[str, Any]], None],
+        checkpoints: CheckpointWriter | None = None,
+    ) -> None:
         config = setup.config
         self.config = config
+        self.checkpoints = checkpoints
         self.method = setup.method
         self.elastic = setup.method.elastic
         self.emit = emit
@@ -41,7 +51,7 @@ class DataParallelSim:
         t = config.train
         model = setup.model  # Theta_0; the job trains it
         self.seq_len = setup.seq_len
-        shards = torch.cat(setup.splits.shards)
+        shards = concatenated(setup.splits.shards)  # every shard end to end, as a view
         stream = BatchStream(shards, t.batch_size, self.seq_len, config.seed)
         self.trainer = Trainer(model, stream, t, max(1, setup.steps_each))
         slots = t.learners + t.scavenged
@@ -110,24 +120,21 @@ class DataParallelSim:
             if steps % dp.checkpoint_every == 0:
                 self.checkpoint = self._snapshot()
                 self._pause(dp.checkpoint_seconds, "checkpoint")
+            evaluated = None
             if self.tokens >= next_eval:
-                self._eval()
+                evaluated = self._eval()
                 next_eval = self.tokens + t.eval_every
+            kept, writer = self.tokens - self.wasted, self.checkpoints
+            if writer is not None and self.tokens < t.tokens and writer.due(kept):
+                writer.write(self.trainer.model, kept, evaluated)
         final = self._eval()
+        if self.checkpoints is not None:  # the model a user takes home
+            self.checkpoints.write(self.trainer.model, self.tokens - self.wasted, final)
         return self._summary(final)
 
     def _fault(self, event: ChaosEvent, returns: list[tuple[float, int]]) -> None:
         dp = self.config.data_parallel
-        self.emit(
-            {
-                "kind": "chaos",
-                "t": self.now,
-                "event": event.kind,
-                "learner": event.learner,
-                "duration": event.duration,
-                "factor": event.factor,
-            }
-        )
+        self.emit(chaos_record(event, self.now))
         m = event.learner
         if event.kind == "slow":
             self.step_times.slowdown[m] = event.factor
@@ -137,8 +144,8 @@ class DataParallelSim:
             self.network.slow(m, event.factor)
         elif event.kind in ("freeze", "link_cut") and m in self.live:
             self._pause(event.duration, event.kind)  # the all-reduce waits for it
-        elif event.kind in ("crash", "leave") and m in self.live:
-            if event.kind == "crash":
+        elif event.kind in ("crash", "leave", "preempt") and m in self.live:
+            if event.kind != "leave":  # a preempted replica is lost as a crashed one is
                 returns.append((self.now + event.duration, m))
             if self.elastic:
                 self.live.discard(m)
@@ -198,6 +205,8 @@ class DataParallelSim:
             method=self.method.name,
             runtime="sim",
             eval_loss=final,
+            eval_bpb=bits_per_byte(final, self.config.data.source),
+            checkpoint=self.checkpoints.relative() if self.checkpoints else None,
             tokens=self.tokens,
             tokens_merged=float(kept),
             tokens_wasted={"rollback": float(self.wasted)} if self.wasted else {},

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -35,16 +35,26 @@ from ddiloco.runtime.sim.node import Node, NodeState
 from ddiloco.runtime.sim.world import Network, StepTimes
 from ddiloco.trainer import Trainer
 
+if TYPE_CHECKING:
+    from ddiloco.checkpoints.write import CheckpointWriter
+
 # How fast the CPU syncer merges (bytes of answers per second) in virtual time.
 SYNCER_BYTES_PER_SECOND = 2e9
 
 
 class FragmentSim:
-    """Runs one fragment-synchronized experiment on the virtual clock."""
+    """Runs one fragment-synchronized experiment on the virtual clock; with ``checkpoints``,
+    writes the global model every ``train.checkpoint_every`` tokens and at the end."""
 
-    def __init__(self, setup: RunSetup, emit: Callable[[dict[str, Any]], None]) -> None:
+    def __init__(
+        self,
+        setup: RunSetup,
+        emit: Callable[[dict[str, Any]], None],
+        checkpoints: CheckpointWriter | None = None,
+    ) -> None:
         config = setup.config
         self.setup = setup
+        self.checkpoints = checkpoints
         self.config = config
         self.method = setup.method
         self.sync = setup.method.sync
@@ -54,13 +64,14 @@ class FragmentSim:
         self.step_times = StepTimes(config.hardware, slots, random.Random(config.seed))
         self.network = Network(config.network)
         self.plan = setup.plan
-        self.ledger = TokenLedger(self.plan.num_fragments)
+        self.ledger = TokenLedger(self.plan.num_fragments, carry=self.sync.apply == "carry")
         self.syncer = SyncerState(
             self.plan,
             setup.initial,
             self.sync.syncer_config(),
             plain_tensors=setup.plain,
             ledger=self.ledger,
+            schedule=setup.outer_schedule(),
         )
         self.seq_len = setup.seq_len
         t = config.train
@@ -70,7 +81,9 @@ class FragmentSim:
             shard = setup.splits.shards[m]
             stream = BatchStream(shard, t.batch_size, self.seq_len, config.seed + m)
             trainer = Trainer(model, stream, t, setup.steps_each)
-            sync = LearnerSync(m, self.plan, trainer.params(), blend=self.sync.blend)
+            sync = LearnerSync(
+                m, self.plan, trainer.params(), apply=self.sync.apply, blend=self.sync.blend
+            )
             present = m < t.learners  # scavenged slots start absent and join later
             state = NodeState.STEPPING if present else NodeState.ABSENT
             self.nodes.append(Node(m, trainer, self.boundary_of(sync), state=state))
@@ -110,6 +123,8 @@ class FragmentSim:
                 self.idle_seconds += self.clock.now - node.waiting_since
         self.ledger.close()
         final = self.evaluate()
+        if self.checkpoints is not None:  # the model a user takes home
+            self.checkpoints.write_fragments(self.syncer.fragments, self.tokens, final)
         return summarize(self, final)
 
     # -- learners ---------------------------------------------------------------------------
@@ -128,12 +143,13 @@ class FragmentSim:
         self.emit({"kind": "step", "t": now, "learner": m, "step": node.sync.step, "loss": loss})
         self.send_progress(node)
         self.at_boundary(node)
-        if self.tokens >= self.next_eval:
-            self.evaluate()
+        evaluated = self.evaluate() if self.tokens >= self.next_eval else None
         limit = self.config.train.max_virtual_seconds
         if self.tokens >= self.config.train.tokens or (limit and now >= limit):
             self.finished = True
             return
+        if self.checkpoints is not None and self.checkpoints.due(self.tokens):
+            self.checkpoints.write_fragments(self.syncer.fragments, self.tokens, evaluated)
         self.continue_or_wait(node)
 
     def send_progress(self, node: Node) -> None:

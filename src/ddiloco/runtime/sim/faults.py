@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from ddiloco.chaos.plan import ChaosEvent
+from ddiloco.chaos.plan import ChaosEvent, chaos_record
 from ddiloco.config import RunConfig
 from ddiloco.core import ledger as reasons
 from ddiloco.core.boundary import StepBoundary
@@ -61,16 +61,7 @@ class Faults:
         """A chaos event, now."""
         sim = self.sim
         node = sim.nodes[event.learner]
-        sim.emit(
-            {
-                "kind": "chaos",
-                "t": sim.clock.now,
-                "event": event.kind,
-                "learner": event.learner,
-                "duration": event.duration,
-                "factor": event.factor,
-            }
-        )
+        sim.emit(chaos_record(event, sim.clock.now))
         handler = {
             "crash": self._crash,
             "freeze": self._freeze,
@@ -79,6 +70,7 @@ class Faults:
             "link_cut": self._link,
             "join": self._join,
             "leave": self._leave,
+            "preempt": self._preempt,
         }[event.kind]
         handler(node, event)
 
@@ -144,6 +136,17 @@ class Faults:
         node.down_since = None  # no longer allocated: not counted as lost capacity
         sim.syncer.policy.leave(node.id, sim.clock.now)
         sim.poll()
+
+    def _preempt(self, node: Node, event: ChaosEvent) -> None:
+        """Reclaimed with notice: it says goodbye (no detection wait, as a leave), is down
+        (lost capacity, as a crash) and is back after ``duration``, copying a peer."""
+        if not node.up:
+            return
+        sim = self.sim
+        self._drop(node, reasons.LEFT, NodeState.DOWN)
+        sim.syncer.policy.leave(node.id, sim.clock.now)
+        sim.poll()
+        sim.clock.after(event.duration, self._restart, node.id, node.incarnation)
 
     def _drop(self, node: Node, reason: str, state: NodeState) -> None:
         sim = self.sim
@@ -213,7 +216,7 @@ class Faults:
         if peer_id is not None:
             peer = sim.nodes[peer_id]
             node.trainer.load_state(peer.trainer.state())
-            node.sync.load_peer_state(peer.sync.state_dict())
+            node.sync.load_peer_state(peer.sync.state_dict(), node.trainer.params())
             node.inbox = {p: (v, [t.clone() for t in vals]) for p, (v, vals) in peer.inbox.items()}
         else:  # nobody up: start from the syncer's global fragments, fresh inner state
             params = node.trainer.params()
@@ -221,7 +224,12 @@ class Faults:
                 scatter(sim.plan, p, params, sim.syncer.fragments[p])
             node.trainer.reset_optimizer()
             sync = LearnerSync(
-                m, sim.plan, params, blend=node.sync.blend, versions=sim.syncer.versions
+                m,
+                sim.plan,
+                params,
+                apply=node.sync.rule,
+                blend=node.sync.blend,
+                versions=sim.syncer.versions,
             )
             sync.step = sim.syncer.policy.global_step
             node.boundary = sim.boundary_of(sync)

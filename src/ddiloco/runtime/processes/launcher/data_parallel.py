@@ -37,13 +37,12 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ddiloco.chaos.plan import ChaosEvent
+from ddiloco.chaos.plan import ChaosEvent, chaos_record
 from ddiloco.config import RunConfig, to_toml
 from ddiloco.errors import FATAL_EXIT, ConfigError
 from ddiloco.methods import method_for
@@ -69,27 +68,24 @@ NO_DURATION = "torchrun restarts the group at once: the duration is not played"
 class DataParallelJob(Supervisor):
     """One data-parallel method's run as a torchrun job (see the module docstring)."""
 
-    def __init__(
-        self,
-        config: RunConfig,
-        method: str,
-        out: Path,
-        emit: Callable[[dict[str, Any]], None],
-        hooks: Sequence[Callable[[DataParallelJob, dict[str, Any]], None]] = (),
-    ) -> None:
+    @staticmethod
+    def refuse(config: RunConfig, method: str) -> None:
         kind = method_for(config, method)
         if kind.fragments:
             raise ConfigError("methods", method, "a fragment method: the Launcher runs it")
         if kind.elastic:
             raise ConfigError("methods", method, ELASTIC)
+        world = config.train.learners * config.processes.ranks
+        device = pick_device(config.train.device)
+        if device.type == "cuda" and world > 1 and torch.cuda.device_count() < world:
+            why = f"{world} ranks need one GPU each; this host has {torch.cuda.device_count()}"
+            raise ConfigError("train.device", config.train.device, why)
+
+    def prepare(self) -> None:
+        config = self.config
         self.replicas = config.train.learners
         self.per = config.processes.ranks  # ranks per replica (as a torchrun learner's)
         self.world = self.replicas * self.per
-        device = pick_device(config.train.device)
-        if device.type == "cuda" and self.world > 1 and torch.cuda.device_count() < self.world:
-            why = f"{self.world} ranks need one GPU each; this host has {torch.cuda.device_count()}"
-            raise ConfigError("train.device", config.train.device, why)
-        super().__init__(config, method, out, emit, hooks, out / "processes" / method)
         self.config_path = self.home / "config.toml"
         self.config_path.write_text(to_toml(config), encoding="utf-8")
         # a fresh rendezvous store for every restart: torchrun's shared one keeps the last
@@ -113,6 +109,7 @@ class DataParallelJob(Supervisor):
         self.checkpoints = 0
         self.checkpoint_seconds = 0.0
         self.resumed: list[dict[str, Any]] = []
+        self.carried: dict[str, float] = {}  # --resume: what the earlier launch had trained
         self.last_eval: dict[str, Any] | None = None
 
     def torchrun(self, name: str) -> bool:
@@ -123,6 +120,7 @@ class DataParallelJob(Supervisor):
         module = "ddiloco.runtime.processes.launcher.data_parallel_worker"
         worker = f"--max-restarts {self.max_restarts} -m {module}"
         paths = ["--config", str(self.config_path), "--out", str(self.home)]
+        paths += ["--run-dir", str(self.out)]  # where rank 0 writes the global model
         more = ["--t0", repr(self.t0), "--method", self.method]
         self._spawn(DP, [*torchrun.split(), *worker.split(), *paths, *more])
 
@@ -167,18 +165,11 @@ class DataParallelJob(Supervisor):
     def play(self, event: ChaosEvent) -> None:
         """Play one chaos event on replica ``event.learner``'s ranks (module docstring)."""
         m = event.learner
-        record: dict[str, Any] = {
-            "kind": "chaos",
-            "t": self.now(),
-            "event": event.kind,
-            "learner": m,
-            "duration": event.duration,
-            "factor": event.factor,
-        }
+        record = chaos_record(event, self.now())
         down = f"replica {m}'s ranks are not running (the group is starting or restarting)"
         if m >= self.replicas:
             record["skipped"] = f"no replica {m}: the job has {self.replicas}"
-        elif event.kind == "crash":
+        elif event.kind in ("crash", "preempt"):  # a lost rank is lost, notice or not
             if pids := self.signal_replica(m, signal.SIGKILL):
                 record.update(pids=pids, note=NO_DURATION)
                 self.crashed.add(m)
@@ -199,6 +190,8 @@ class DataParallelJob(Supervisor):
             record["skipped"] = FIXED_GROUP
         elif event.kind in ("link_slow", "link_cut"):
             record["skipped"] = NO_PROXY
+        elif event.kind != "slow":
+            record["skipped"] = "not played by the data-parallel job"
         self.emit(record)
 
     # -- stopping ---------------------------------------------------------------------------
@@ -217,25 +210,15 @@ class DataParallelJob(Supervisor):
         """Run to rank 0's report (or a stop's deadline); return the summary."""
         self.start()
         self.schedule_chaos(self.config.chaos)
-        limit = self.config.processes.max_wall_seconds
         try:
-            while self.result is None:
-                if self.now() > limit:
-                    raise ConfigError("processes.max_wall_seconds", limit, "the run did not end")
-                self.check_signals()
-                if self.stop_requested and time.monotonic() > self.stop_deadline:
-                    break  # no report came: a summary of our own
-                self.pump(0.05)
-                if self.supervise():
-                    break
+            self.watch(lambda: self.result is not None, self.supervise)  # else our own summary
             deadline = time.monotonic() + 10.0  # the ranks and torchrun end by themselves
             proc = self.procs[DP]
             while self.result is not None and proc.poll() is None and time.monotonic() < deadline:
                 self.pump(0.05)
         finally:
             self.shutdown()
-        while not self.events.empty():
-            self.pump(0.0)
+        self.drain()
         return self.totals()
 
     def supervise(self) -> bool:
@@ -255,8 +238,7 @@ class DataParallelJob(Supervisor):
         if code is None:
             return False
         self.settle(DP)
-        while not self.events.empty():
-            self.pump(0.0)
+        self.drain()
         if self.result is not None or self.stop_requested:
             return True
         if self.fatal is not None:
@@ -300,6 +282,13 @@ class DataParallelJob(Supervisor):
             self.checkpoint_seconds += float(record["seconds"])
         elif kind == "resumed":
             self.resumed.append({k: record[k] for k in ("step", "tokens", "attempt")})
+            if self.resume and int(record["attempt"]) == 0 and not self.carried:
+                # a resumed run: the model's tokens and stepping so far are the earlier
+                # launch's work, counted once, not this launch's
+                self.carried = {
+                    "tokens": int(record["tokens"]),
+                    "stepping_seconds": float(record.get("stepping_seconds", 0.0)),
+                }
         elif kind == "dp_done":
             self.result = record
         elif kind == "fatal" and self.fatal is None:
@@ -351,10 +340,12 @@ class DataParallelJob(Supervisor):
         # syncer's count from the first hello: the launch is no failure (a restart is)
         start = self.first_up if self.first_up is not None else wall
         span = max(wall - start, 1e-9)
-        kept = int(done.get("tokens", self.lineage["tokens"]))
+        kept = int(done.get("tokens", self.lineage["tokens"]))  # the model's, since Theta_0
         kept_seconds = float(done.get("stepping_seconds", self.lineage["stepping_seconds"]))
+        kept_seconds -= self.carried.get("stepping_seconds", 0.0)  # this launch's share
+        tokens = self.tokens + int(self.carried.get("tokens", 0))  # the run's, every launch
         last = (self.last_eval or {}).get("loss", math.nan)
-        rollback = self.tokens - kept
+        rollback = tokens - kept
         n = self.world
         grad_bytes = int(done.get("grad_bytes", self.up.get("grad_bytes", 0)))
         ring = int(2 * (n - 1) / n * grad_bytes)  # one rank's all-reduce bytes, each way
@@ -363,7 +354,9 @@ class DataParallelJob(Supervisor):
             method=self.method,
             runtime="processes",
             eval_loss=float(done.get("eval_loss", last)),
-            tokens=self.tokens,
+            eval_bpb=done.get("eval_bpb"),
+            checkpoint=done.get("checkpoint"),  # rank 0's last checkpoint of the model
+            tokens=tokens,
             tokens_merged=float(kept),
             tokens_wasted={"rollback": float(rollback)} if rollback else {},
             # replica-time of the kept steps over every replica slot for the whole run

@@ -14,13 +14,15 @@ SIGUSR1 (the job's clean stop); rank 0 decides and every rank follows.
 
 Checkpoints (every ``data_parallel.checkpoint_every`` steps, rank 0 writes them, the data positions
 of every rank gathered first): ``<out>/checkpoints/ckpt-<step>.bin``, written to a temp file,
-fsynced, renamed, the directory fsynced; the format is :data:`MAGIC`, a version, the payload length
-and a BLAKE3 digest of all that and the payload, then
-:func:`~ddiloco.runtime.processes.transport.tree.pack_tree` bytes (msgpack plus raw tensors, never
-pickle). At start every rank loads the latest one (torchrun restarted the group;
+fsynced, renamed, the directory fsynced, in the format of :mod:`..state_file` (a magic, a
+version, the payload length, a BLAKE3 digest, then msgpack plus raw tensors, never pickle).
+At start every rank loads the latest one (torchrun restarted the group;
 ``TORCHELASTIC_RESTART_COUNT`` is the attempt); a damaged one, or one another job wrote, is refused
 with :class:`CheckpointError` naming the file, and the rank exits :data:`~ddiloco.errors.FATAL_EXIT`
-after a ``fatal`` event, so the job gives up at once.
+after a ``fatal`` event, so the job gives up at once. Those are the job's own, to roll back to;
+the model a user takes home is rank 0's checkpoint of the global model
+(:mod:`ddiloco.checkpoints`: ``<run>/checkpoints/...``, every ``train.checkpoint_every`` tokens
+the model holds and at the end; ``--run-dir`` names the run directory).
 
 Events (``@event`` lines, as the launcher's children print): every rank ``rank_up`` (its pid,
 so the job can signal it) and, if it must give up, ``fatal``; rank 0 ``learner_up``,
@@ -33,7 +35,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import re
 import signal
 import sys
 import threading
@@ -42,24 +43,21 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-import blake3
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from ddiloco.checkpoints.format import CheckpointError as CheckpointError  # one error, re-exported
+from ddiloco.checkpoints.write import CheckpointWriter
 from ddiloco.config import RunConfig, load_config
 from ddiloco.data.corpus import BatchStream
+from ddiloco.data.info import bits_per_byte
 from ddiloco.errors import FATAL_EXIT, ConfigError, DDiLoCoError
+from ddiloco.runtime.processes.state_file import StateFile
 from ddiloco.runtime.processes.transport.events import Events
-from ddiloco.runtime.processes.transport.tree import pack_tree, unpack_tree
 from ddiloco.runtime.run import RunSetup
 from ddiloco.trainer import Trainer, evaluate, pick_device
 
-MAGIC = b"DDPCKPT\0"
-VERSION = 1
-HEAD = len(MAGIC) + 4 + 8 + 32  # magic, version, payload length, BLAKE3 digest
-KEEP = 2  # checkpoints kept on disk (the newest is the one loaded)
-NAME = re.compile(r"ckpt-(\d{8,})\.bin")
 FIELDS = (
     "version",
     "method",
@@ -73,98 +71,24 @@ FIELDS = (
     "weights",
     "optimizer",
 )
+# the job's rollback checkpoints: <out>/checkpoints/ckpt-<step>.bin, the newest two kept
+ROLLBACK = StateFile(b"DDPCKPT\0", 1, FIELDS, "data-parallel checkpoint", prefix="ckpt", keep=2)
 STOP_SIGNAL = signal.SIGUSR1  # the job's clean stop, to rank 0
 
 
-class CheckpointError(DDiLoCoError):
-    """A checkpoint that cannot be used: missing, damaged, or another job's; names the file."""
-
-    def __init__(self, path: Path, why: str) -> None:
-        super().__init__("checkpoint", str(path), why)
-        self.path = path
-        self.args = (f"checkpoint {path}: {why}",)  # the whole path, not a shortened repr
-
-
-# -- the checkpoint format ---------------------------------------------------------------------
-def checkpoint_path(directory: Path, step: int) -> Path:
-    return directory / f"ckpt-{step:08d}.bin"
-
-
-def _all(directory: Path) -> list[tuple[int, Path]]:
-    return [
-        (int(m.group(1)), p) for p in directory.glob("ckpt-*.bin") if (m := NAME.fullmatch(p.name))
-    ]
-
-
 def latest(directory: Path) -> tuple[int, Path] | None:
-    """The newest checkpoint in ``directory`` (by step), None if there is none."""
-    found = _all(directory)
-    return max(found) if found else None
-
-
-def encode(state: dict[str, Any]) -> bytes:
-    payload = pack_tree(state)
-    head = MAGIC + VERSION.to_bytes(4, "little") + len(payload).to_bytes(8, "little")
-    return head + blake3.blake3(head + payload).digest() + payload
+    """The newest rollback checkpoint in ``directory`` (by step), None if there is none."""
+    return ROLLBACK.latest(directory)
 
 
 def write_checkpoint(directory: Path, step: int, state: dict[str, Any]) -> tuple[Path, int]:
-    """Write one checkpoint atomically (temp file, fsync, rename, fsync of the directory) and
-    keep the newest :data:`KEEP`; returns its path and size. A failed write (disk full) is a
-    :class:`CheckpointError` naming the file; the previous checkpoints are intact."""
-    directory.mkdir(parents=True, exist_ok=True)
-    path = checkpoint_path(directory, step)
-    tmp = directory / f".{path.name}.tmp"
-    data = encode(state)
-    try:
-        with tmp.open("wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        fd = os.open(directory, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    except OSError as exc:
-        tmp.unlink(missing_ok=True)
-        raise CheckpointError(path, f"cannot write it: {exc}") from exc
-    for _, old in sorted(_all(directory))[:-KEEP]:
-        old.unlink(missing_ok=True)
-    return path, len(data)
+    """One rollback checkpoint, atomically (:meth:`StateFile.write`); its path and size."""
+    return ROLLBACK.write(directory, step, state)
 
 
 def read_checkpoint(path: Path) -> dict[str, Any]:
-    """A checkpoint's state, after checking every byte of it; raise :class:`CheckpointError`
-    naming the file if it is missing, truncated, damaged or not one of ours."""
-    try:
-        data = path.read_bytes()
-    except OSError as exc:
-        raise CheckpointError(path, f"cannot read it: {exc.strerror or exc}") from None
-    if len(data) < HEAD:
-        raise CheckpointError(path, f"truncated: {len(data)} bytes, shorter than its header")
-    if data[: len(MAGIC)] != MAGIC:
-        raise CheckpointError(path, "not a ddiloco data-parallel checkpoint (bad magic)")
-    version = int.from_bytes(data[8:12], "little")
-    if version != VERSION:
-        raise CheckpointError(path, f"format version {version}, this build reads {VERSION}")
-    length = int.from_bytes(data[12:20], "little")
-    if length != len(data) - HEAD:
-        why = f"truncated or extended: {len(data) - HEAD} payload bytes, its header says {length}"
-        raise CheckpointError(path, why)
-    if blake3.blake3(data[:20] + data[HEAD:]).digest() != data[20:HEAD]:
-        raise CheckpointError(path, "checksum mismatch: the file is damaged")
-    try:
-        state = unpack_tree(memoryview(data)[HEAD:])
-    except Exception as exc:  # a well-checksummed file we cannot decode: another build's
-        raise CheckpointError(path, f"cannot decode it: {exc}") from exc
-    if not isinstance(state, dict):
-        raise CheckpointError(path, f"a {type(state).__name__}, not a checkpoint's fields")
-    missing = [k for k in FIELDS if k not in state]
-    if missing:
-        raise CheckpointError(path, f"missing fields {missing}")
-    return state
+    """A rollback checkpoint checked to the byte, or :class:`CheckpointError` naming it."""
+    return ROLLBACK.read(path)
 
 
 # -- the worker ------------------------------------------------------------------------------
@@ -189,7 +113,13 @@ class DPWorker:
     """One rank: its model replica in DDP, its shard, and (rank 0) the checkpoints."""
 
     def __init__(
-        self, config: RunConfig, method: str, out: Path, events: Events, stop: threading.Event
+        self,
+        config: RunConfig,
+        method: str,
+        out: Path,
+        events: Events,
+        stop: threading.Event,
+        run: Path | None = None,
     ) -> None:
         self.setup = setup = RunSetup(config, method)
         if setup.method.fragments or setup.method.elastic:
@@ -213,6 +143,8 @@ class DPWorker:
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         dist.init_process_group(backend, timeout=wait)
         self.dir = out / "checkpoints"
+        self.run_dir = run if run is not None else out.parent.parent  # <run>/processes/<method>
+        self.writer: CheckpointWriter | None = None  # rank 0's, once resumed
         t = dataclasses.replace(config.train, device=str(self.device))
         replica, sub = divmod(self.rank, per)
         stream = BatchStream(
@@ -221,7 +153,7 @@ class DPWorker:
             setup.seq_len,
             config.seed + replica + 7919 * sub,
         )  # as learner m's
-        self.batch_tokens = self.world * stream.tokens_per_batch  # one step, every rank
+        self.batch_tokens = self.world * setup.tokens_per_step  # one step, every rank
         steps = max(1, t.tokens // self.batch_tokens)
         self.trainer = Trainer(setup.model, stream, t, steps)
         self.module = self.trainer.model
@@ -258,11 +190,14 @@ class DPWorker:
                 "resumed",
                 step=self.trainer.steps,
                 tokens=self.tokens,
+                stepping_seconds=round(self.stepping_seconds, 6),
                 attempt=self.attempt,
                 path=str(path),
             )
         elif self.leader:
             self.evaluate()
+        if self.leader:
+            self.writer = CheckpointWriter(self.setup, self.run_dir, tokens=self.tokens)
         every = self.config.data_parallel.checkpoint_every
         done = self.tokens >= self.config.train.tokens
         while not done:
@@ -282,15 +217,22 @@ class DPWorker:
             )
             if self.trainer.steps % every == 0:
                 self.checkpoint()
+            evaluated = None
             if self.leader and self.tokens >= self.next_eval:
-                self.evaluate()
+                evaluated = self.evaluate()
             done = self.decide_stop() or self.tokens >= self.config.train.tokens
+            if not done and self.writer is not None and self.writer.due(self.tokens):
+                self.writer.write(self.module, self.tokens, evaluated)  # the others wait
         loss = self.evaluate() if self.leader else float("nan")
+        if self.writer is not None:  # the model a user takes home
+            self.writer.write(self.module, self.tokens, loss)
         self.events(
             "dp_done",
             step=self.trainer.steps,
             tokens=self.tokens,
             eval_loss=loss,
+            eval_bpb=bits_per_byte(loss, self.config.data.source),
+            checkpoint=self.writer.relative() if self.writer is not None else None,
             stepping_seconds=self.stepping_seconds,
             grad_bytes=self.grad_bytes,
             ranks=self.world,
@@ -322,7 +264,7 @@ class DPWorker:
             return
         started = time.perf_counter()
         state = {
-            "version": VERSION,
+            "version": ROLLBACK.version,
             "method": self.setup.method_name,
             "model": self.config.model,
             "world": self.world,
@@ -351,7 +293,7 @@ class DPWorker:
         dist.broadcast(step, 0)
         if int(step.item()) < 0:
             return None
-        path = checkpoint_path(self.dir, int(step.item()))
+        path = ROLLBACK.path(self.dir, int(step.item()))
         self.load(read_checkpoint(path), path)
         return path
 
@@ -380,6 +322,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="ddiloco dp", description=__doc__.split("\n")[0])
     parser.add_argument("--config", required=True, help="the run's config (TOML)")
     parser.add_argument("--out", required=True, help="the job's folder (checkpoints/)")
+    parser.add_argument("--run-dir", help="the run directory (default: --out's grandparent)")
     parser.add_argument("--t0", type=float, default=None, help="the launch (epoch seconds)")
     parser.add_argument("--method", default="data_parallel")
     args = parser.parse_args(argv)
@@ -397,7 +340,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     events = every if rank == 0 else Events(every.t0, open(os.devnull, "w"))  # noqa: SIM115
     try:
-        worker = DPWorker(load_config(args.config), args.method, Path(args.out), events, stop)
+        run = Path(args.run_dir) if args.run_dir else None
+        worker = DPWorker(load_config(args.config), args.method, Path(args.out), events, stop, run)
         worker.run()
     except DDiLoCoError as exc:  # a restart cannot fix it: say so, and the job gives up
         print(f"ddiloco dp: error: rank {rank}: {exc}", file=sys.stderr, flush=True)

@@ -34,8 +34,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import json
-import math
 import os
 import secrets
 import signal
@@ -43,20 +41,26 @@ import socket
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from ddiloco.chaos.plan import ChaosEvent
+from ddiloco.chaos.plan import ChaosEvent, chaos_record
 from ddiloco.config import RunConfig, to_toml
 from ddiloco.errors import FATAL_EXIT as FATAL_EXIT  # re-exported: what a process exits with
 from ddiloco.errors import ConfigError
 from ddiloco.methods import method_for
 from ddiloco.report.summary import summary as report_summary
+from ddiloco.runtime.processes.launcher.link_faults import (
+    LINK_KINDS,
+    NO_PROXY,
+    PROXY,
+    LinkFaults,
+    faults_of,
+)
 from ddiloco.runtime.processes.launcher.supervision import own_summary
 from ddiloco.runtime.processes.launcher.supervisor import Supervisor
-from ddiloco.runtime.processes.transport.proxy import Faults
+from ddiloco.runtime.processes.learner.local_checkpoint import learner_directory
 from ddiloco.runtime.processes.transport.shm import remove_run_directory
 from ddiloco.runtime.processes.transport.sockets import SECRET_ENV, parse_address
 
@@ -75,8 +79,6 @@ RELAYED = (
     "learner_up",
 )
 SYNCER = "syncer"
-PROXY = "proxy"
-LINK_KINDS = ("link_slow", "link_cut")
 STOP_WAIT_SECONDS = 30.0  # after a stop, for the syncer's summary (a restarted one's too)
 
 
@@ -89,33 +91,40 @@ def free_port(host: str) -> int:
 class Launcher(Supervisor):
     """Starts, watches and restarts the processes of one fragment method's run."""
 
-    def __init__(
-        self,
-        config: RunConfig,
-        method: str,
-        out: Path,
-        emit: Callable[[dict[str, Any]], None],
-        hooks: Sequence[Callable[[Launcher, dict[str, Any]], None]] = (),
-    ) -> None:
+    @staticmethod
+    def refuse(config: RunConfig, method: str) -> None:
         if not method_for(config, method).fragments:
             why = "not a fragment method: a data-parallel baseline runs as a torchrun job (dp_job)"
             raise ConfigError("methods", method, why)
+
+    @staticmethod
+    def home_of(out: Path, method: str) -> Path:
         # decoupled keeps <run>/processes/; every other method a folder of its own (a syncer
         # store is one method's: another method's syncer would refuse it)
-        home = out / "processes" if method == "decoupled" else out / "processes" / method
-        super().__init__(config, method, out, emit, hooks, home)
+        return out / "processes" if method == "decoupled" else out / "processes" / method
+
+    def prepare(self) -> None:
+        config = self.config
         host, port = parse_address(config.processes.bind, "processes.bind")
         self.address = f"{host}:{port or free_port(host)}"
-        self.faults = Faults.parse(config.processes.proxy) if config.processes.proxy else None
-        if self.faults is None and any(e.kind in LINK_KINDS for e in config.chaos):
-            self.faults = Faults()  # a proxy that only plays the link faults
-        self.link_commands: list[tuple[float, dict[str, Any]]] = []  # (monotonic end, command)
+        faults = faults_of(config)
         # learners talk to the fault-injecting proxy when there is one, else to the syncer
-        self.learner_address = f"{host}:{free_port(host)}" if self.faults else self.address
-        self.proxy_counts: dict[str, int] = {}
+        self.learner_address = f"{host}:{free_port(host)}" if faults else self.address
+        self.links = (
+            None
+            if faults is None
+            else LinkFaults(
+                config,
+                self.learner_address,
+                self.address,
+                self.run_id,
+                lambda args: self._spawn(PROXY, args, control=True),
+                lambda: self.procs.get(PROXY),
+            )
+        )
         self.config_path = self.home / "config.toml"
         # behind a proxy, payloads must cross it (to be delayed, held or damaged): no shm
-        shm = config.processes.shared_memory and self.faults is None
+        shm = config.processes.shared_memory and faults is None
         child = replace(config, processes=replace(config.processes, shared_memory=shm))
         self.config_path.write_text(to_toml(child), encoding="utf-8")
         self.store = self.home / "syncer_state"
@@ -143,68 +152,12 @@ class Launcher(Supervisor):
             cmd.append("--journal")
         self._spawn(SYNCER, cmd)
 
-    def start_proxy(self) -> None:
-        assert self.faults is not None
-        cmd = [
-            "-m",
-            "ddiloco.runtime.processes.transport.proxy",
-            "--listen",
-            self.learner_address,
-            "--target",
-            self.address,
-            "--run-id",
-            self.run_id,
-            "--faults",
-            self.config.processes.proxy,
-            "--seed",
-            str(self.config.seed),
-            "--control",
-            "--gbps",
-            repr(self.config.network.learner_syncer_gbps),
-        ]
-        old = self.procs.get(PROXY)
-        if old is not None and old.poll() is not None and old.stdin is not None:
-            old.stdin.close()
-        self._spawn(PROXY, cmd, control=True)
-        now = time.monotonic()  # a restarted proxy: the link faults still on, for what is left
-        for end, command in self.link_commands:
-            if end > now:
-                left = (
-                    {"cut_seconds": end - now}
-                    if "cut_seconds" in command
-                    else {"seconds": 0.0 if math.isinf(end) else end - now}
-                )
-                self.send_link({**command, **left})
-
-    def send_link(self, command: dict[str, Any]) -> bool:
-        """One JSON line on the proxy's control pipe; False if there is no proxy to hear it."""
-        proc = self.procs.get(PROXY)
-        if proc is None or proc.poll() is not None or proc.stdin is None:
-            return False
-        try:
-            proc.stdin.write(json.dumps(command) + "\n")
-            proc.stdin.flush()
-        except (OSError, ValueError):  # a broken or closed pipe: it died
-            return False
-        return True
-
-    def play_link(self, event: ChaosEvent) -> str | None:
-        """link_cut / link_slow through the proxy; returns why it was not played, if not."""
-        if self.faults is None:
-            return "no proxy: set processes.proxy, or put the link fault in the chaos plan"
-        now, m = time.monotonic(), event.learner
-        if event.kind == "link_cut":
-            command: dict[str, Any] = {"link": m, "cut_seconds": event.duration}
-            end = now + event.duration
-        else:
-            command = {"link": m, "factor": event.factor, "seconds": event.duration}
-            end = now + event.duration if event.duration > 0 else math.inf
-        self.link_commands.append((end, command))
-        self.send_link(command)  # if the proxy is down, its restart replays what is left
-        return None
-
-    def start_learner(self, m: int, join: bool = False) -> None:
+    def start_learner(self, m: int, join: bool = False, resume: bool = False) -> None:
+        """Start slot ``m``: fresh, ``join`` (copy a peer) or ``resume`` (its own newest local
+        checkpoint, else as a join)."""
+        state = learner_directory(self.home, m)
         cmd = ["learner", "--syncer", self.learner_address, "--id", str(m), *self._common()]
+        cmd += ["--state-dir", str(state), *(["--resume"] if resume else [])]
         ranks = self.config.processes.ranks
         if ranks > 1:  # a data-parallel learner: torchrun starts its ranks
             cmd = [
@@ -219,20 +172,22 @@ class Launcher(Supervisor):
             ]
         self._spawn(f"learner-{m}", [*cmd, "--join"] if join else cmd)
 
+    def rejoin(self, m: int) -> None:
+        """Start learner ``m`` again (copying a peer) once its last life has exited: a clean
+        leave may still be saying goodbye when its slot is due back."""
+        proc = self.procs.get(f"learner-{m}")
+        if proc is not None and proc.poll() is None and not self.stop_requested:
+            self.after(0.2, lambda: self.rejoin(m))
+        else:
+            self.start_learner(m, join=True)
+
     def torchrun(self, name: str) -> bool:
         return name.startswith("learner-") and self.config.processes.ranks > 1
 
     # -- chaos ------------------------------------------------------------------------------
     def play(self, event: ChaosEvent) -> None:
         name, m = f"learner-{event.learner}", event.learner
-        record = {
-            "kind": "chaos",
-            "t": self.now(),
-            "event": event.kind,
-            "learner": m,
-            "duration": event.duration,
-            "factor": event.factor,
-        }
+        record = chaos_record(event, self.now())
         reached = True  # a signal reached a live process
         if event.kind == "crash":
             if reached := self.signal(name, signal.SIGKILL):
@@ -244,14 +199,18 @@ class Launcher(Supervisor):
             self.start_learner(m, join=True)
         elif event.kind == "leave":
             reached = self.signal(name, signal.SIGTERM)
+        elif event.kind == "preempt":  # a clean leave (it says bye), back after duration
+            if reached := self.signal(name, signal.SIGTERM):
+                self.after(event.duration, lambda: self.rejoin(m))
         elif event.kind == "slow" and event.factor > 1.0:
             threading.Thread(
                 target=self.throttle, args=(name, event.factor, event.duration), daemon=True
             ).start()
         elif event.kind in LINK_KINDS:
-            skipped = self.play_link(event)
-            if skipped:
-                record["skipped"] = skipped
+            if self.links is None:
+                record["skipped"] = NO_PROXY
+            else:
+                self.links.play(event)
         else:
             record["skipped"] = "not played by the processes runtime yet"
         if not reached:
@@ -304,32 +263,23 @@ class Launcher(Supervisor):
     def run(self) -> dict[str, Any]:
         """Run to the end (the syncer's summary); return it, with the launcher's totals."""
         self.start_syncer()
-        if self.faults is not None:
-            self.start_proxy()
+        if self.links is not None:
+            self.links.start()
         for m in range(self.config.train.learners):
-            self.start_learner(m)
+            self.start_learner(m, resume=self.resume)
         self.schedule_chaos(self.config.chaos)
-        limit = self.config.processes.max_wall_seconds
         try:
-            while self.summary is None:
-                if self.now() > limit:
-                    raise ConfigError("processes.max_wall_seconds", limit, "the run did not end")
-                self.check_signals()
-                if self.stop_requested and time.monotonic() > self.stop_deadline:
-                    self.summary = own_summary(self.seen, self.now())  # no syncer came
-                    break
-                self.pump(0.05)
-                self._supervise()
+            if not self.watch(lambda: self.summary is not None, self._supervise):
+                self.summary = own_summary(self.seen, self.now())  # no syncer came
+            assert self.summary is not None
             if self.summary.get("summary_source") != "launcher":  # else nobody stops them
                 self._wait_learners(10.0)
         finally:
             self.shutdown()
-            proxy = self.procs.get(PROXY)
-            if proxy is not None and proxy.stdin is not None:
-                proxy.stdin.close()  # its control pipe
+            if self.links is not None:
+                self.links.close()
         time.sleep(0.2)  # the proxy's last words: its counts
-        while not self.events.empty():
-            self.pump(0.0)
+        self.drain()
         return self._totals(self.summary)
 
     def handle(self, name: str, record: dict[str, Any]) -> None:
@@ -342,17 +292,18 @@ class Launcher(Supervisor):
             self.summary = record
         elif kind == "syncer_up" and self.stop_requested:
             self.request_stop()
-        elif kind == "proxy":
-            self.proxy_counts = record["counts"]
+        elif kind == "proxy" and self.links is not None:
+            self.links.counts = record["counts"]
         elif kind == "learner_done":
             self.learner_done[int(record["learner"])] = record
         if kind in RELAYED:
             self.emit(record)
 
-    def _supervise(self) -> None:
+    def _supervise(self) -> bool:
         """Judge every process that exited on its own (once per life): restart it after its
         backoff delay, or raise :class:`LaunchError`. Its last events are relayed first, so
-        a syncer that ended with a summary is not taken for a crash."""
+        a syncer that ended with a summary is not taken for a crash. True once the summary
+        is in."""
         for name, proc in list(self.procs.items()):
             code = proc.poll()
             if code is None or name in self.expected_exit or self.summary is not None:
@@ -361,7 +312,7 @@ class Launcher(Supervisor):
             while not self.events.empty() and self.summary is None:
                 self.pump(0.0)
             if self.summary is not None:
-                return
+                return True
             if self.procs.get(name) is not proc:  # an event's hook started a new life
                 continue
             self.expected_exit.add(name)  # handled once
@@ -378,11 +329,12 @@ class Launcher(Supervisor):
             self.restarts[name] = self.restarts.get(name, 0) + 1
             if name == SYNCER:
                 self.after(verdict.delay, self.start_syncer)
-            elif name == PROXY:
-                self.after(verdict.delay, self.start_proxy)
+            elif name == PROXY and self.links is not None:
+                self.after(verdict.delay, self.links.start)
             else:
                 m = int(name.split("-")[1])
                 self.after(verdict.delay, functools.partial(self.start_learner, m, True))
+        return self.summary is not None
 
     def _wait_learners(self, seconds: float) -> None:
         deadline = time.monotonic() + seconds
@@ -391,8 +343,7 @@ class Launcher(Supervisor):
                 break
             self.pump(0.05)
         time.sleep(0.2)  # the readers' last lines
-        while not self.events.empty():
-            self.pump(0.0)
+        self.drain()
 
     def shutdown(self) -> None:
         """Stop every child (:meth:`Supervisor.shutdown`), then remove the run's
@@ -414,8 +365,8 @@ class Launcher(Supervisor):
             restarts=dict(self.restarts),
             refused_by_learners=dict(sum((Counter(r.get("refused", {})) for r in done), Counter())),
         )
-        if self.faults is not None:
-            extra["proxy"] = self.proxy_counts
+        if self.links is not None:
+            extra["proxy"] = self.links.counts
         schema = {
             k: extra.pop(k)
             for k in (

@@ -38,6 +38,7 @@ from typing import IO, Any
 
 from ddiloco.chaos.plan import ChaosEvent
 from ddiloco.config import RunConfig
+from ddiloco.errors import ConfigError
 from ddiloco.runtime.processes.launcher.supervision import (
     RestartPolicy,
     Verdict,
@@ -60,7 +61,11 @@ class Phase(Enum):
 
 
 class Supervisor:
-    """Children, their events, timers and signals for one method's run (see the module)."""
+    """Children, their events, timers and signals for one method's run (see the module).
+
+    Construction order: :meth:`refuse` (a method this supervisor cannot run, before anything
+    is written), the base's state and ``home`` (:meth:`home_of`), then the subclass's
+    :meth:`prepare`. Subclasses do not override ``__init__``."""
 
     def __init__(
         self,
@@ -69,18 +74,21 @@ class Supervisor:
         out: Path,
         emit: Callable[[dict[str, Any]], None],
         hooks: Sequence[Hook] = (),
-        home: Path | None = None,
+        resume: bool = False,
+        t0: float | None = None,
     ) -> None:
+        self.refuse(config, method)
+        self.resume = resume  # continue a stopped run from its saved states
         self.config = config
         self.method = method
         self.out = out
         self.emit = emit
-        self.home = home or out / "processes"  # config, logs and state of this method's run
+        self.home = self.home_of(out, method)  # config, logs and state of this method's run
         self.logs = self.home / "logs"
         self.logs.mkdir(parents=True, exist_ok=True)
         self.run_id = f"{config.name}-{secrets.token_hex(4)}"
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        self.t0 = time.time()
+        self.t0 = time.time() if t0 is None else t0  # event times count from it
         self.procs: dict[str, subprocess.Popen[str]] = {}
         self.expected_exit: set[str] = set()  # killed or stopped on purpose
         self.events: queue.SimpleQueue[tuple[str, dict[str, Any]]] = queue.SimpleQueue()
@@ -97,6 +105,19 @@ class Supervisor:
         self.stop_deadline = math.inf  # monotonic: when a stop stops waiting for a summary
         self.stop_signal: int | None = None  # the first SIGINT/SIGTERM (see interrupt)
         self.finished = threading.Event()  # the run is over: background chaos stops
+        self.prepare()
+
+    @staticmethod
+    def refuse(config: RunConfig, method: str) -> None:
+        """Raise a ConfigError if this supervisor cannot run ``method`` with ``config``."""
+
+    @staticmethod
+    def home_of(out: Path, method: str) -> Path:
+        """Where this method's processes keep their config, logs and state."""
+        return out / "processes" / method
+
+    def prepare(self) -> None:
+        """The subclass's own state (called last by ``__init__``)."""
 
     # -- processes --------------------------------------------------------------------------
     def _spawn(self, name: str, args: list[str], control: bool = False) -> None:
@@ -244,6 +265,28 @@ class Supervisor:
         self.handle(name, record)
         for hook in self.hooks:
             hook(self, record)
+
+    def drain(self) -> None:
+        """Handle every event already queued."""
+        while not self.events.empty():
+            self.pump(0.0)
+
+    def watch(self, done: Callable[[], bool], supervise: Callable[[], bool]) -> bool:
+        """The supervisor's loop: pump events until ``done()`` or ``supervise()`` (judging
+        the children after each event) says the job ended; return whether it is done. A
+        stop whose deadline passes with no result returns False (the caller writes a summary
+        of its own); past ``processes.max_wall_seconds`` it raises."""
+        limit = self.config.processes.max_wall_seconds
+        while not done():
+            if self.now() > limit:
+                raise ConfigError("processes.max_wall_seconds", limit, "the run did not end")
+            self.check_signals()
+            if self.stop_requested and time.monotonic() > self.stop_deadline:
+                return False
+            self.pump(0.05)
+            if supervise():
+                break
+        return done()
 
     def handle(self, name: str, record: dict[str, Any]) -> None:
         """Act on one event of child ``name`` (relay it, count it)."""

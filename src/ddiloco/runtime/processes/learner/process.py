@@ -23,6 +23,7 @@ import os
 import signal
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -32,6 +33,11 @@ from ddiloco.core.learner_state import LearnerSync
 from ddiloco.data.corpus import BatchStream
 from ddiloco.errors import ConfigError
 from ddiloco.runtime.processes.learner.link import SyncerLink
+from ddiloco.runtime.processes.learner.local_checkpoint import (
+    LocalCheckpoints,
+    identity,
+    load_latest,
+)
 from ddiloco.runtime.processes.learner.peer import PeerError, SnapshotServer, fetch_snapshot
 from ddiloco.runtime.processes.learner.ranks import Apply, RankGroup
 from ddiloco.runtime.processes.transport.events import Events
@@ -65,6 +71,8 @@ class LearnerProcess:
         leave_after: float = 0.0,
         peer_host: str = "127.0.0.1",
         max_steps: int = 0,
+        state_dir: Path | None = None,
+        resume: bool = False,
     ) -> None:
         torch.set_num_threads(1)
         config = setup.config
@@ -75,6 +83,7 @@ class LearnerProcess:
             events = Events(events.t0, open(os.devnull, "w"))  # noqa: SIM115
         self.events = events
         self.join = join
+        self.resume = resume
         self.leave_after = leave_after
         self.max_steps = max_steps
         self.run_id = run_id
@@ -91,6 +100,7 @@ class LearnerProcess:
             setup.plan,
             self.trainer.params(),
             incarnation=self.incarnation,
+            apply=sync.apply,
             blend=sync.blend,
         )
         self.boundary = StepBoundary(
@@ -123,6 +133,10 @@ class LearnerProcess:
         self.bytes_peer = 0
         self.idle_seconds = 0.0  # lock-step: time spent waiting for merged fragments
         self.last_seconds = 0.0  # the last step's duration
+        every = config.processes.learner_checkpoint_every if state_dir is not None else 0.0
+        self.saves = LocalCheckpoints(
+            state_dir or Path("."), every if self.ranks.leader else 0.0, identity(setup, learner)
+        )
 
     def status(self) -> dict[str, Any]:
         return {
@@ -135,14 +149,17 @@ class LearnerProcess:
     # -- life -------------------------------------------------------------------------------
     def run(self) -> int:
         signal.signal(signal.SIGTERM, lambda *_: self.leaving.set())  # a clean leave
+        copied = self.join or self.resume  # rank 0 starts from a state the others copy
         if self.ranks.leader:
             self.link.start()
             self.server.start()
-            if self.join:
+            if self.resume and self.resume_local():
+                pass
+            elif copied:
                 self.recover()
             else:
                 self.link.register(self.status())
-        if self.ranks.active and self.join:  # every rank starts from what rank 0 recovered
+        if self.ranks.active and copied:  # every rank starts from what rank 0 recovered
             blob = self.ranks.share_bytes(self.snapshot() if self.ranks.leader else None)
             if not self.ranks.leader:
                 self.load(blob)
@@ -162,7 +179,10 @@ class LearnerProcess:
             if self.ranks.leader and not self.link.stopped.is_set():  # leaving on our own
                 self.link.bye()
                 self.events("leave", learner=self.m)
+            if self.saves.every > 0:  # a stopped run resumes from where it stopped
+                self.saves.save(self.sync.step, self.snapshot_state())
         finally:
+            self.saves.close()
             in_sync = self.ranks.agree(self.checksum())
             self.events(
                 "learner_done",
@@ -205,6 +225,8 @@ class LearnerProcess:
         stop, wait = self.at_boundary(step_end=True)
         if wait and not stop:
             stop = self.wait_for_merge()
+        if self.saves.due() and not stop:
+            self.saves.save(self.sync.step, self.snapshot_state())
         return not stop
 
     def report(self, tokens: int) -> None:
@@ -227,17 +249,23 @@ class LearnerProcess:
         returns (stop, wait for a merged fragment)."""
         params = self.trainer.params()
         applies: list[Apply] = []
+        answered: list[int] = []
         stop = wait = False
         if self.ranks.leader:
             for answer in self.boundary.answers(self.link.take_asks(), params, step_end):
                 self.link.push(answer)
+                answered.append(answer.meta.fragment)
             inbox = self.link.take_inbox()
             applies = [(p, v, vals) for p, (v, vals) in sorted(inbox.items())]
             self.rebased.extend(self.boundary.apply(inbox, params))
             wait = self.boundary.must_wait()
             stop = self.should_stop()
-        stop, wait, applies = self.ranks.share_boundary(stop, wait, applies, self.shapes)
-        if not self.ranks.leader:
+        stop, wait, applies, answered = self.ranks.share_boundary(
+            stop, wait, applies, self.shapes, answered
+        )
+        if not self.ranks.leader:  # rank 0's snapshots (carry), then its merged fragments
+            for p in answered:
+                self.sync.snapshot(p, params)
             for p, version, values in applies:
                 self.sync.apply(p, version, values, params)
         if self.ranks.leader:
@@ -277,18 +305,41 @@ class LearnerProcess:
 
     def load(self, blob: bytes) -> None:
         """Adopt a snapshot: a peer's (recovery) or rank 0's (the other ranks)."""
-        state = unpack_tree(blob)
+        self.adopt(unpack_tree(blob))
+
+    def adopt(self, state: dict[str, Any]) -> None:
+        """Take over a state: a peer's snapshot, rank 0's, or our own local checkpoint."""
         self.trainer.load_state(state["trainer"])
-        self.sync.load_peer_state(state["sync"])
+        self.sync.load_peer_state(state["sync"], self.trainer.params())
         self.sync.incarnation = self.incarnation
 
-    def snapshot(self) -> bytes:
+    def snapshot_state(self) -> dict[str, Any]:
         """Everything a newcomer copies (docs/design.md §5.1); taken between two steps."""
-        return pack_tree(
-            {"trainer": self.trainer.state(), "sync": self.sync.state_dict(), "learner": self.m}
-        )
+        return {"trainer": self.trainer.state(), "sync": self.sync.state_dict(), "learner": self.m}
+
+    def snapshot(self) -> bytes:
+        return pack_tree(self.snapshot_state())
 
     # -- recovery ---------------------------------------------------------------------------
+    def resume_local(self) -> bool:
+        """A resumed run: start from our newest local checkpoint (weights, AdamW, step, data
+        position, base versions) and register with it; the syncer sends the fragments merged
+        since. False when there is none (then a peer, else the syncer)."""
+        state = load_latest(self.saves.directory, self.saves.identity)
+        if state is None:
+            return False
+        self.adopt(state)
+        self.link.register(self.status())
+        self.events(
+            "recovered",
+            learner=self.m,
+            peer=None,
+            source="local",
+            step=self.sync.step,
+            position=self.trainer.stream.position,
+        )
+        return True
+
     def recover(self) -> None:
         """Copy a healthy peer (nobody pauses), else start from the syncer's fragments."""
         peers = self.link.request_peers(timeout=30.0)

@@ -66,17 +66,23 @@ class RankGroup:
         wait: bool,
         applies: list[Apply],
         shapes: Sequence[Sequence[tuple[int, ...]]],
-    ) -> tuple[bool, bool, list[Apply]]:
+        answered: Sequence[int] = (),
+    ) -> tuple[bool, bool, list[Apply], list[int]]:
         """Rank 0's decisions at a step boundary (stop, wait for a merge, the fragments to
-        apply), the same on every rank."""
+        apply, the fragments it answered before applying), the same on every rank."""
         if not self.active:
-            return stop, wait, applies
-        head = torch.zeros(3 + 2 * len(shapes), dtype=torch.int64, device=self.device)
+            return stop, wait, applies, list(answered)
+        p_count = len(shapes)
+        head = torch.zeros(3 + 3 * p_count, dtype=torch.int64, device=self.device)
         if self.leader:
             head[0], head[1], head[2] = int(stop), int(wait), len(applies)
             for i, (p, version, _) in enumerate(applies):
                 head[3 + 2 * i], head[4 + 2 * i] = p, version
+            for p in answered:
+                head[3 + 2 * p_count + p] = 1
         dist.broadcast(head, 0)
+        flags = head[3 + 2 * p_count :].tolist()
+        snapshots = [p for p in range(p_count) if flags[p]]
         out: list[Apply] = []
         for i in range(int(head[2])):
             p, version = int(head[3 + 2 * i]), int(head[4 + 2 * i])
@@ -87,7 +93,7 @@ class RankGroup:
             for v in values:
                 dist.broadcast(v, 0)
             out.append((p, version, [v.cpu() for v in values]))
-        return bool(head[0]), bool(head[1]), out
+        return bool(head[0]), bool(head[1]), out, snapshots
 
     def share_bytes(self, blob: bytes | None) -> bytes:
         """Rank 0's bytes (a recovered state) on every rank."""

@@ -3,9 +3,11 @@
 Owns only the I/O around the core: decoding authenticated frames, feeding the core progress,
 answers and ``now``, persisting every merge (:mod:`.store`) *before* broadcasting it, asking
 learners, noticing dead ones (no message for ``detect_seconds``), restoring after a restart,
-evaluating the global model (on a thread of its own: :mod:`.evaluator`) and printing events
-for the launcher. Every rule (rounds, quorum, grace, staleness, weights, RDA, outer step,
-ledger) is the core's. One thread, one socket: nothing here waits on a learner.
+evaluating the global model (on a thread of its own: :mod:`.evaluator`), writing checkpoints
+of it (every ``train.checkpoint_every`` tokens on a thread of its own, from a copy taken
+between two merges, and after the last merge) and printing events for the launcher. Every
+rule (rounds, quorum, grace, staleness, weights, RDA, outer step, ledger) is the core's. One
+thread, one socket: nothing here waits on a learner.
 
 Who may talk (docs/security.md): the socket is a PLAIN server behind a :class:`Gatekeeper`,
 so only a holder of the run secret completes a handshake, as the learner its credentials
@@ -47,9 +49,11 @@ from ddiloco.core.ledger import CRASH, LEFT
 from ddiloco.core.restart_ledger import RestartLedger
 from ddiloco.core.rounds import UNSOLICITED, AnswerMeta, Verdict
 from ddiloco.core.syncer_state import MergeResult, SyncerState
+from ddiloco.data.info import bits_per_byte
 from ddiloco.errors import ConfigError, DDiLoCoError
 from ddiloco.report.summary import Uptime, fragment_goodput
 from ddiloco.runtime.processes.syncer import messages
+from ddiloco.runtime.processes.syncer.checkpoints import checkpoint_writer
 from ddiloco.runtime.processes.syncer.evaluator import Evaluator
 from ddiloco.runtime.processes.syncer.store import (
     SyncerStore,
@@ -100,6 +104,7 @@ class SyncerService:
         journal: bool = False,
         detect_seconds: float = 5.0,
         stop: threading.Event | None = None,
+        run: Path | None = None,
     ) -> None:
         self.setup = setup
         self.config: RunConfig = setup.config
@@ -107,13 +112,14 @@ class SyncerService:
         self.detect_seconds = detect_seconds
         sync = setup.method.sync
         self.plan = setup.plan
-        self.ledger = RestartLedger(self.plan.num_fragments)
+        self.ledger = RestartLedger(self.plan.num_fragments, carry=sync.apply == "carry")
         self.syncer = SyncerState(
             self.plan,
             setup.initial,
             sync.syncer_config(),
             plain_tensors=setup.plain,
             ledger=self.ledger,
+            schedule=setup.outer_schedule(),
         )
         self.shapes = [[tuple(t.shape) for t in frag] for frag in self.syncer.fragments]
         self.store = SyncerStore(
@@ -162,10 +168,9 @@ class SyncerService:
         self.sessions: dict[int, int] = {}  # learner -> the session its frames come from
         self.rehellos: dict[int, float] = {}  # learner -> when it was last told to rehello
         self.evaluator = Evaluator(setup, events)
+        self.checkpoints = checkpoint_writer(setup, Path(store_dir), run, self.tokens)
         # what one step of a learner can hold, and how fast steps may be credited
-        self.tokens_per_step = (
-            self.config.train.batch_size * setup.seq_len * self.config.processes.ranks
-        )
+        self.tokens_per_step = setup.tokens_per_step * self.config.processes.ranks
         self.budget = StepBudget()
         self.budget_incarnations: dict[int, int] = {}  # learner -> the life its budget is of
         self.ledger.max_missed = int(
@@ -225,6 +230,8 @@ class SyncerService:
                     self.send(m, "beat", meta={"live": m in self.syncer.policy.progress})
             if self.tokens >= self.next_eval:
                 self.evaluate()
+            if self.tokens < budget and self.checkpoints.due(self.tokens):  # copied now,
+                self.checkpoints.submit(self.syncer.fragments, self.tokens)  # written later
         return self.finish()
 
     def is_member(self, name: str) -> bool:
@@ -509,6 +516,16 @@ class SyncerService:
         self.evaluator.submit(self.syncer.fragments, self.tokens)
         self.next_eval = self.tokens + self.config.train.eval_every
 
+    def write_final(self, loss: float) -> None:
+        """The run's checkpoint, after the last merge (and the periodic one in flight); a
+        failed write (a full disk) is logged and counted, the summary still comes."""
+        self.checkpoints.wait()
+        try:
+            self.checkpoints.write_fragments(self.syncer.fragments, self.tokens, loss)
+        except Exception as exc:  # (a CheckpointError names the file)
+            self.checkpoints.counts["checkpoint_failed"] += 1
+            log.error("syncer: the final checkpoint failed: %s: %s", type(exc).__name__, exc)
+
     def finish(self) -> dict[str, Any]:
         self.handshakes.drain()
         now = self.events.now()
@@ -518,20 +535,25 @@ class SyncerService:
         self.evaluator.wait()  # the run's result is evaluated last, here
         final = self.setup.eval_loss(self.syncer.fragments)
         self.events("eval", tokens=self.tokens, loss=final)
+        self.write_final(final)
         for m in sorted({*self.down_since, *self.ledger.absent()}):  # given up, or not back after
             self.ledger.crashed(m, CRASH)  # a syncer restart: what it held died with it
         self.ledger.close()
         ledger = self.ledger.summary()
         down = self.down_seconds + sum(now - s for s in self.down_since.values())
         step = self.syncer.policy.step_time.value or 1.0
-        per_step = self.config.train.batch_size * self.setup.seq_len
+        per_step = self.setup.tokens_per_step
         lost_capacity = down / step * per_step
         wasted: dict[str, float] = ledger["tokens_wasted"]  # type: ignore[assignment]
         summary = {
             "eval_loss": final,
+            "eval_bpb": bits_per_byte(final, self.config.data.source),
+            "checkpoint": self.checkpoints.relative(),
+            "checkpoint_writes": self.checkpoints.summary(),
             "tokens": self.tokens,
             "tokens_merged": ledger["tokens_merged"],
             "tokens_wasted": wasted,
+            "tokens_carried": ledger["tokens_carried"],
             "ledger_balanced": ledger["balanced"] and not self.ledger.errors,
             "ledger_errors": self.ledger.errors,
             "ledger_restart": dict(self.ledger.restart),

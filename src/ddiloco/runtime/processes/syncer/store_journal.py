@@ -195,6 +195,7 @@ def journal_header(result: MergeResult) -> dict[str, Any]:
             for a in rnd.answers
         ],
         "scales": list(result.scales),  # robust merging's clip factor of each answer
+        "schedule_scale": result.schedule_scale,  # the outer step's inner-lr factor
     }
 
 
@@ -235,6 +236,7 @@ def replay_journal(
             config.merge_rule,
             plain_mask[p],
             workspace,
+            float(header.get("schedule_scale", 1.0)),
         )
     return fragments, merged
 

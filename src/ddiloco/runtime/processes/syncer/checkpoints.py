@@ -1,0 +1,30 @@
+"""Where the syncer's checkpoints of the global model go (docs/checkpoints.md): the writer
+itself is :class:`ddiloco.checkpoints.write.CheckpointWriter`, which copies the fragments
+between two merges and writes them on a thread of its own."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ddiloco.checkpoints.write import CheckpointWriter
+from ddiloco.runtime.run import RunSetup
+
+
+def checkpoint_writer(
+    setup: RunSetup, store: Path, run: Path | None, tokens: int
+) -> CheckpointWriter:
+    """The syncer's checkpoint writer: into ``run`` when given, else into the run directory
+    the launcher put the store in (``<run>/processes[/<method>]/syncer_state``), else (a
+    syncer started by hand) beside the store, in ``<store>-checkpoints/``."""
+    from ddiloco.runtime.processes.launcher.fragments import Launcher
+
+    method = setup.method_name
+    if run is None:
+        run = next(
+            (r for r in store.parents if Launcher.home_of(r, method) / store.name == store), None
+        )
+    if run is None:
+        return CheckpointWriter(
+            setup, store.parent, store.with_name(f"{store.name}-checkpoints"), tokens
+        )
+    return CheckpointWriter(setup, run, tokens=tokens)

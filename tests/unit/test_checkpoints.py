@@ -1,0 +1,149 @@
+"""Checkpoint directories without a run: written, loaded back, damage refused naming the
+file, and never a half directory named step-N."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from ddiloco.checkpoints.format import MANIFEST, CheckpointError, steps_in
+from ddiloco.checkpoints.load import find_checkpoint, load_checkpoint, verify
+from ddiloco.checkpoints.write import publish, sweep, write_checkpoint
+from ddiloco.cli import main
+from ddiloco.config import load_config, to_toml
+from ddiloco.data.tokenizer import ByteTokenizer
+from ddiloco.models.gpt import GPT, GPT_CONFIGS
+
+CONFIG = load_config(None, ["model='gpt-tiny'", "methods=['decoupled', 'data_parallel']"])
+
+
+def written(home: Path, step: int = 3, seed: int = 0) -> tuple[Path, GPT]:
+    torch.manual_seed(seed)
+    model = GPT(GPT_CONFIGS["gpt-tiny"])
+    path = write_checkpoint(
+        home / f"step-{step}",
+        model,
+        CONFIG,
+        ByteTokenizer(),
+        method="decoupled",
+        step=step,
+        tokens=step * 1000,
+        eval_loss=2.5,
+    )
+    return path, model
+
+
+def test_a_checkpoint_loads_back_the_same_model_and_says_what_it_is(tmp_path):
+    path, model = written(tmp_path)
+    assert sorted(p.name for p in path.iterdir()) == [
+        "config.json",
+        MANIFEST,
+        "model.safetensors",
+        "run.toml",
+    ]
+    manifest = json.loads((path / MANIFEST).read_text())
+    assert manifest["method"] == "decoupled" and manifest["step"] == 3
+    assert manifest["tokens"] == 3000 and manifest["eval_loss"] == 2.5
+    assert manifest["eval_bpb"] == pytest.approx(2.5 / 0.6931471805599453)
+    assert manifest["kind"] == "gpt" and manifest["model"] == "gpt-tiny"
+    assert set(manifest["files"]) == {"config.json", "model.safetensors", "run.toml"}
+    assert all(len(f["blake3"]) == 64 for f in manifest["files"].values())
+    with safe_open(str(path / "model.safetensors"), "pt") as f:  # plain safetensors
+        assert set(f.keys()) == set(model.state_dict())
+    loaded = load_checkpoint(path)
+    assert loaded.step == 3 and loaded.method == "decoupled"
+    assert (path / "run.toml").read_text() == to_toml(CONFIG)
+    for name, value in model.state_dict().items():
+        assert torch.equal(loaded.model.state_dict()[name], value), name
+    assert loaded.tokenizer.name == "bytes"
+
+
+def flip(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x40
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize(
+    "name,damage,needle",
+    [
+        ("model.safetensors", flip, "digest mismatch"),
+        ("model.safetensors", lambda p: p.write_bytes(p.read_bytes()[:-100]), "truncated"),
+        ("model.safetensors", Path.unlink, "missing"),
+        ("config.json", Path.unlink, "missing"),
+        ("run.toml", flip, "digest mismatch"),
+        (MANIFEST, Path.unlink, "not a complete ddiloco checkpoint"),
+        (MANIFEST, lambda p: p.write_text("{"), "unreadable"),
+    ],
+)
+def test_a_damaged_truncated_or_missing_file_is_refused_naming_it(
+    tmp_path, capsys, name, damage, needle
+):
+    path, _ = written(tmp_path)
+    damage(path / name)
+    with pytest.raises(CheckpointError) as caught:
+        verify(path)
+    assert str(path / name) in str(caught.value) and needle in str(caught.value)
+    assert main(["eval", str(path)]) == 2  # the command line: one line, no traceback
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and str(path / name) in err and "Traceback" not in err
+
+
+def test_a_crashed_write_leaves_no_step_directory_and_is_swept(tmp_path):
+    path, _ = written(tmp_path, step=3)
+    half = tmp_path / ".step-6.abcd1234.tmp"  # what a writer killed mid-write leaves
+    half.mkdir()
+    (half / "model.safetensors").write_bytes(b"half")
+    assert steps_in(tmp_path) == [3]
+    assert find_checkpoint(path) == path
+    sweep(tmp_path)
+    assert not half.exists() and steps_in(tmp_path) == [3]
+
+
+def test_a_checkpoint_of_the_same_step_replaces_the_old_one_whole(tmp_path):
+    old, _ = written(tmp_path, step=3, seed=0)
+    new, model = written(tmp_path, step=3, seed=1)  # e.g. the final one after a periodic one
+    assert new == old and steps_in(tmp_path) == [3]
+    assert [p.name for p in tmp_path.iterdir()] == ["step-3"]  # nothing left aside
+    loaded = load_checkpoint(new)
+    assert torch.equal(loaded.model.head.weight, model.head.weight)
+
+
+def test_a_checkpoint_renamed_aside_by_a_crash_is_put_back(tmp_path):
+    path, _ = written(tmp_path, step=3)
+    aside = tmp_path / ".step-3.0badf00d.old"
+    os.rename(path, aside)  # the crash came between publish's two renames
+    assert steps_in(tmp_path) == []
+    sweep(tmp_path)
+    assert steps_in(tmp_path) == [3] and verify(path)["step"] == 3
+
+
+def test_publish_never_shows_a_half_directory(tmp_path):
+    tmp = tmp_path / ".step-1.x.tmp"
+    tmp.mkdir()
+    (tmp / "a").write_text("complete")
+    publish(tmp, tmp_path / "step-1")
+    assert (tmp_path / "step-1" / "a").read_text() == "complete" and not tmp.exists()
+
+
+def test_a_run_without_such_a_step_or_method_lists_what_it_has(tmp_path):
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "config.toml").write_text(to_toml(CONFIG))
+    written(run / "checkpoints", step=3)
+    written(run / "checkpoints", step=6)
+    assert find_checkpoint(run) == run / "checkpoints" / "step-6"
+    assert find_checkpoint(run, step=3) == run / "checkpoints" / "step-3"
+    with pytest.raises(ValueError, match="there are: decoupled: step 3, 6"):
+        find_checkpoint(run, step=4)
+    with pytest.raises(ValueError, match="the run has decoupled, data_parallel"):
+        find_checkpoint(run, method="streaming")
+    with pytest.raises(CheckpointError, match="no checkpoints of data_parallel"):
+        find_checkpoint(run, method="data_parallel")
+    with pytest.raises(CheckpointError, match="neither a checkpoint"):
+        find_checkpoint(tmp_path)

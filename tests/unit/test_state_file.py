@@ -1,0 +1,89 @@
+"""A process's own state files: written atomically, read back checked to the byte, refused
+naming the file when damaged or another run's; a learner's local checkpoints."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from ddiloco.checkpoints.format import CheckpointError
+from ddiloco.config import load_config
+from ddiloco.runtime.processes.learner.local_checkpoint import (
+    LEARNER_STATE,
+    LocalCheckpoints,
+    identity,
+    load_latest,
+)
+from ddiloco.runtime.processes.state_file import StateFile
+from ddiloco.runtime.run import RunSetup
+
+KIND = StateFile(b"TESTSTA\0", 3, ("step", "weights"), "test state", prefix="s", keep=2)
+
+
+def state(step: int) -> dict[str, object]:
+    return {"step": step, "weights": torch.arange(6.0).reshape(2, 3) * step, "note": "x"}
+
+
+def test_a_save_reads_back_equal_and_only_the_newest_are_kept(tmp_path):
+    for step in (3, 10, 7, 12):
+        KIND.write(tmp_path, step, state(step))
+    assert [s for s, _ in KIND.saves(tmp_path)] == [10, 12]  # the newest two, by step
+    step, path = KIND.latest(tmp_path) or (0, tmp_path)
+    back = KIND.read(path)
+    assert step == 12 and back["step"] == 12 and back["note"] == "x"
+    torch.testing.assert_close(back["weights"], state(12)["weights"])
+    assert not list(tmp_path.glob(".*.tmp"))  # no temp file left behind
+
+
+@pytest.mark.parametrize(
+    ("damage", "why"),
+    [
+        (lambda b: b[:10], "truncated: 10 bytes"),
+        (lambda b: b[:-5], "truncated or extended"),
+        (lambda b: b + b"!", "truncated or extended"),
+        (lambda b: b[:-1] + bytes([b[-1] ^ 1]), "checksum mismatch"),
+        (lambda b: b"OTHERKND" + b[8:], r"not a ddiloco test state \(bad magic\)"),
+        (lambda b: b[:8] + (9).to_bytes(4, "little") + b[12:], "format version 9"),
+    ],
+)
+def test_every_damage_is_refused_naming_the_file(tmp_path, damage, why):
+    path, _ = KIND.write(tmp_path, 1, state(1))
+    path.write_bytes(damage(path.read_bytes()))
+    with pytest.raises(CheckpointError, match=why) as err:
+        KIND.read(path)
+    assert str(path) in str(err.value)
+
+
+def test_a_missing_field_or_file_is_refused(tmp_path):
+    path, _ = KIND.write(tmp_path, 1, {"step": 1})
+    with pytest.raises(CheckpointError, match=r"missing fields \['weights'\]"):
+        KIND.read(path)
+    with pytest.raises(CheckpointError, match="cannot read it"):
+        KIND.read(tmp_path / "s-00000002.bin")
+
+
+def test_a_learners_local_checkpoint_is_refused_for_another_model_or_plan(tmp_path):
+    base = ["model='gpt-tiny'", "train.learners=2", "sync.fragments=4"]
+    setup = RunSetup(load_config(None, base))
+    saves = LocalCheckpoints(tmp_path, every=3600.0, expected=identity(setup, 1))
+    assert not saves.due()
+    saves.last -= 3601.0  # an hour later
+    assert saves.due()
+    saves.save(5, {"trainer": {"steps": 5}, "sync": {}, "learner": 1})
+    saves.close()
+    assert saves.saved == 1 and not saves.due()
+    loaded = load_latest(tmp_path, identity(setup, 1))
+    assert loaded is not None and loaded["trainer"] == {"steps": 5}
+    other = RunSetup(load_config(None, [*base[:2], "sync.fragments=3"]))
+    with pytest.raises(CheckpointError, match=r"another run's state: fragments 4 \(this run: 3\)"):
+        load_latest(tmp_path, identity(other, 1))
+    with pytest.raises(CheckpointError, match="learner 1"):
+        load_latest(tmp_path, identity(setup, 0))
+    assert load_latest(tmp_path / "none", identity(setup, 1)) is None
+    assert LEARNER_STATE.latest(tmp_path) is not None
+
+
+def test_a_learner_that_never_checkpoints_writes_nothing(tmp_path):
+    saves = LocalCheckpoints(tmp_path / "x", every=0.0, expected={})
+    assert not saves.due()
+    assert not (tmp_path / "x").exists()
