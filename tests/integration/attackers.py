@@ -44,11 +44,13 @@ def rss_bytes(pid: int) -> int:
 class SyncerProcess:
     """``ddiloco syncer`` in a subprocess; its events collected as they come."""
 
-    def __init__(self, tmp: Path, overrides: list[str] | None = None) -> None:
+    def __init__(
+        self, tmp: Path, overrides: list[str] | None = None, address: str | None = None
+    ) -> None:
         self.config = load_config(None, [*OVERRIDES, *(overrides or [])])
         (tmp / "config.toml").write_text(to_toml(self.config))
         self.config_path = tmp / "config.toml"
-        self.address = f"127.0.0.1:{free_port('127.0.0.1')}"
+        self.address = address or f"127.0.0.1:{free_port('127.0.0.1')}"
         self.stderr_path = tmp / "syncer.err"
         self.env = {**os.environ, SECRET_ENV: SECRET.hex()}
         cmd = [

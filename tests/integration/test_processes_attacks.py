@@ -3,6 +3,7 @@ holding it): every attack is refused, counted and logged, and the run goes on.""
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import struct
@@ -12,12 +13,14 @@ import time
 
 import torch
 import zmq
-from attackers import RUN, SECRET, Insider, SyncerProcess, rss_bytes
+from attackers import OVERRIDES, RUN, SECRET, Insider, SyncerProcess, rss_bytes
 
+from ddiloco.config import load_config, to_toml
 from ddiloco.core.codec import CodecSpec, encode_tensors
 from ddiloco.core.plans import gather
 from ddiloco.errors import FATAL_EXIT
 from ddiloco.runtime.processes.launcher.fragments import free_port
+from ddiloco.runtime.processes.transport.events import EVENT_PREFIX
 from ddiloco.runtime.processes.transport.sockets import SECRET_ENV
 from ddiloco.runtime.processes.transport.wire import FLAG_SHM, PREFIX, VERSION, Wire, decode_update
 from ddiloco.runtime.run import RunSetup
@@ -216,7 +219,9 @@ def test_bad_frames_and_nan_updates_are_refused_logged_counted_and_never_applied
         assert f"({reason})" in syncer.stderr  # one clear log line each
 
 
-def start_learner(config_path, address: str, secret: bytes, run: str, *extra: str):
+def start_learner(
+    config_path, address: str, secret: bytes, run: str, *extra: str, stdout=subprocess.DEVNULL
+):
     env = {**os.environ, SECRET_ENV: secret.hex()}
     cmd = [
         sys.executable,
@@ -233,9 +238,47 @@ def start_learner(config_path, address: str, secret: bytes, run: str, *extra: st
         str(config_path),
         *extra,
     ]
-    return subprocess.Popen(
-        cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
-    )
+    return subprocess.Popen(cmd, env=env, stdout=stdout, stderr=subprocess.PIPE, text=True)
+
+
+def test_a_learner_started_before_its_syncer_waits_for_it_instead_of_training_alone(tmp_path):
+    # it used to train at once and report it all on its welcome: on a cold CI box the
+    # learners were up 1 s before their syncer and spent the whole token budget before a merge
+    address = f"127.0.0.1:{free_port('127.0.0.1')}"
+    config_path = tmp_path / "learner.toml"
+    config_path.write_text(to_toml(load_config(None, OVERRIDES)))
+    out = (tmp_path / "learner.out").open("w")
+    learner = start_learner(config_path, address, SECRET, RUN, stdout=out)
+    syncer = None
+    try:
+        time.sleep(8.0)  # long enough to build its model and take many steps
+        assert learner.poll() is None
+        before = events_in(tmp_path / "learner.out")
+        assert not [e for e in before if e["kind"] == "step"], before
+        (tmp_path / "syncer").mkdir()
+        syncer = SyncerProcess(tmp_path / "syncer", address=address)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not any(
+            e["kind"] == "step" for e in events_in(tmp_path / "learner.out")
+        ):
+            time.sleep(0.2)
+        summary = syncer.stop()
+        assert learner.wait(timeout=30) == 0, learner.communicate()[1]
+    finally:
+        if learner.poll() is None:
+            learner.kill()
+        if syncer is not None:
+            syncer.kill()
+        out.close()
+    steps = [e for e in events_in(tmp_path / "learner.out") if e["kind"] == "step"]
+    assert steps and steps[0]["step"] == 1  # it started with the syncer, from the start
+    assert summary["tokens"] > 0
+
+
+def events_in(path) -> list[dict]:
+    prefix = EVENT_PREFIX
+    lines = path.read_text().splitlines()
+    return [json.loads(line[len(prefix) :]) for line in lines if line.startswith(prefix)]
 
 
 def test_a_learner_refused_or_without_a_syncer_stops_at_once_naming_the_cause(tmp_path):

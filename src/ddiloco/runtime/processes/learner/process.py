@@ -1,7 +1,8 @@
 """One learner process: the training loop, with the network in background threads.
 
 Owns the order of things in a learner's life on the wall clock: recover (from a healthy
-peer's snapshot, else from the syncer's global fragments), register, then train. Every
+peer's snapshot, else from the syncer's global fragments), register, wait for the syncer's
+first welcome (a learner never trains before its syncer is up), then train. Every
 step: one inner step (the shared Trainer), the core's ``LearnerSync.stepped``, a progress
 report handed to the link thread; between two steps, the core's step boundary
 (:class:`~ddiloco.core.boundary.StepBoundary`: the answers to send — the link thread encodes
@@ -159,6 +160,11 @@ class LearnerProcess:
                 self.recover()
             else:
                 self.link.register(self.status())
+            # the first step waits for the syncer's first welcome: a learner up before its
+            # syncer would otherwise train alone and report it all at once, spending the
+            # token budget before a single merge (the link gives up loudly after
+            # processes.give_up_seconds; the loop then stops at its first boundary)
+            self.link.welcomed.wait()
         if self.ranks.active and copied:  # every rank starts from what rank 0 recovered
             blob = self.ranks.share_bytes(self.snapshot() if self.ranks.leader else None)
             if not self.ranks.leader:

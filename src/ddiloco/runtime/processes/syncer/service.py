@@ -228,7 +228,7 @@ class SyncerService:
                 self.store.save_ledger(self.ledger.to_state())  # narrows what a crash loses
                 for m in list(self.incarnations):
                     self.send(m, "beat", meta={"live": m in self.syncer.policy.progress})
-            if self.tokens >= self.next_eval:
+            if self.next_eval <= self.tokens < budget:  # at the budget: finish() evaluates
                 self.evaluate()
             if self.tokens < budget and self.checkpoints.due(self.tokens):  # copied now,
                 self.checkpoints.submit(self.syncer.fragments, self.tokens)  # written later
