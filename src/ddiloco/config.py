@@ -261,6 +261,10 @@ class ProcessesConfig:
     max_restarts: int = 5  # failed starts in a row of one process before the launcher gives up
     restart_backoff_cap_seconds: float = 30.0  # restart delays double up to this
     learner_checkpoint_every: float = 60.0  # seconds between a learner's local checkpoints (0: off)
+    # at the budget every live learner pauses and is asked for every fragment once more; the
+    # final rounds merge when all answered, or after this long with what came (0: no final
+    # rounds: what the learners trained since their last merged answers is thrown away)
+    final_round_seconds: float = 30.0
 
     def __post_init__(self) -> None:
         require(self.max_restarts >= 0, "processes.max_restarts", self.max_restarts, ">= 0")
@@ -274,6 +278,12 @@ class ProcessesConfig:
             value = getattr(self, name)
             require(value > 0, f"processes.{name}", value, "must be > 0")
         require(self.ranks >= 1, "processes.ranks", self.ranks, "must be >= 1")
+        require(
+            self.final_round_seconds >= 0,
+            "processes.final_round_seconds",
+            self.final_round_seconds,
+            "must be >= 0 (0: off)",
+        )
         require(
             self.learner_checkpoint_every >= 0,
             "processes.learner_checkpoint_every",

@@ -69,6 +69,23 @@ def test_a_processes_run_writes_the_same_run_directory_as_the_simulated_clock(tm
     assert {r["learner"] for r in records if r["kind"] == "step"} == {0, 1}
 
 
+def test_the_final_rounds_merge_what_every_learner_trained_since_its_last_answers(tmp_path):
+    cfg = config("train.tokens=12000", "sync.apply='carry'")
+    (summary,) = train(cfg, tmp_path, quiet=True)
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").open()]
+    (final,) = [r for r in records if r["kind"] == "final_rounds"]
+    # every fragment merged, each as soon as both learners had answered (not at the deadline)
+    assert final["merged"] == final["fragments"] == cfg.sync.fragments
+    assert final["seconds"] < cfg.processes.final_round_seconds
+    wasted = summary["tokens_wasted"]
+    assert wasted.get("unsynced_at_end", 0) == 0 and wasted.get("in_flight_at_end", 0) == 0
+    assert summary["ledger_balanced"]
+    # no step after the final asks: the last steps are before the final rounds' merges
+    last_step = max(r["t"] for r in records if r["kind"] == "step")
+    final_merges = [r for r in records if r["kind"] == "round"][-cfg.sync.fragments :]
+    assert all(r["t"] >= last_step for r in final_merges)
+
+
 @pytest.mark.parametrize("apply", ["overwrite", "carry"])
 def test_a_learner_killed_mid_run_recovers_from_a_peer_while_the_other_keeps_stepping(
     tmp_path, launch, apply

@@ -129,6 +129,47 @@ def test_no_grace_closes_at_quorum():
     assert len(pol.ready(now=0.2)[0].answers) == 2
 
 
+# -- the run's end ----------------------------------------------------------------------------
+def test_finish_opens_a_final_round_per_fragment_that_waits_for_every_live_learner():
+    pol = _policy(k=1, learners=3)
+    pol.on_progress(0, 1, now=0.0, step_seconds=1.0)  # fragment 1 open, learner 0 answers it
+    pol.on_answer(_answer(0, 1, step=1), now=0.1)
+    rounds = pol.finish(now=1.0, deadline=31.0)
+    assert [r.fragment for r in rounds] == list(range(H))
+    assert all(r.asked == {0, 1, 2} for r in rounds)
+    assert pol.next_deadline() == 31.0
+    # its earlier answer does not count: the final one carries what it trained since
+    assert pol.ready(now=1.5) == []
+    final = rounds[1].round_id
+    assert final == 1  # a new id: an answer to the earlier ask (round 0) is not the final one
+    assert pol.on_answer(_answer(1, 1, round_id=0, step=2), now=1.6) is Verdict.ACCEPTED
+    assert pol.ready(now=1.7) == []
+    for m in range(3):
+        answer = _answer(m, 1, round_id=final, step=5, seq=1)
+        assert pol.on_answer(answer, now=2.0) is Verdict.ACCEPTED
+    (closed,) = pol.ready(now=2.0)  # quorum 1 does not close a final round early: all did
+    assert closed.fragment == 1 and {a.learner for a in closed.answers} == {0, 1, 2}
+    assert [a.local_step for a in closed.answers if a.learner == 0] == [5]  # superseded
+    assert any(isinstance(e, Supersession) for e in pol.take_events())
+    assert pol.on_progress(1, 50, now=3.0) == []  # no round opens after the finish
+
+
+def test_a_final_round_closes_at_its_deadline_with_what_came_and_without_answers_is_dropped():
+    pol = _policy(k=2, learners=2)
+    pol.finish(now=0.0, deadline=10.0)
+    pol.on_answer(_answer(0, 0), now=1.0)  # quorum K=2 never met: it merges anyway at the end
+    pol.leave(1, now=2.0)
+    (closed,) = pol.ready(now=2.0)  # everyone still live has answered
+    assert closed.fragment == 0 and len(closed.answers) == 1
+    assert pol.ready(now=9.0) == []  # fragments 1-3: nobody answered, not yet due
+    assert pol.ready(now=10.0) == [] and not pol.open  # due: nothing to merge, dropped
+
+
+def test_finish_refuses_a_deadline_in_the_past():
+    with pytest.raises(ConfigError, match="deadline"):
+        _policy().finish(now=5.0, deadline=4.0)
+
+
 # -- which answers count ----------------------------------------------------------------------
 def test_duplicates_invalid_and_stale_answers():
     pol = _policy(k=1, max_staleness=1)

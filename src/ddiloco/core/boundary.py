@@ -38,11 +38,15 @@ class StepBoundary:
         self.sent: dict[int, tuple[int, int]] = {}  # fragment -> (step, base) of its last push
 
     def answers(
-        self, asks: Mapping[int, int], params: Mapping[str, torch.Tensor], step_end: bool = True
+        self,
+        asks: Mapping[int, int],
+        params: Mapping[str, torch.Tensor],
+        step_end: bool = True,
+        final: bool = False,
     ) -> list[Answer]:
         """The answers to send now, in order: a lock-step learner's own pushes of the
         fragments due at this step (``step_end``: once per step), then the asks (fragment ->
-        round id) it owes."""
+        round id) it owes; ``final`` (the syncer's final rounds): every ask is owed."""
         out: list[Answer] = []
         sync = self.sync
         if self.waits_for_merge and step_end and sync.step > 0:
@@ -50,7 +54,7 @@ class StepBoundary:
                 if p not in self.sent:
                     out.append(self._answer(p, UNSOLICITED, params))
         for p, round_id in sorted(asks.items()):
-            if not (self.waits_for_merge and p in self.sent):
+            if final or not (self.waits_for_merge and p in self.sent):
                 out.append(self._answer(p, round_id, params))
         return out
 

@@ -6,6 +6,11 @@ drop and which rounds are ready to merge. The syncer's clock drives the schedule
 step is the progress of the K-th fastest live learner, and a round for fragment p opens when it
 reaches a step t with t mod H == t_p (a per-learner schedule lets a slow learner drift out of
 phase until every answer it sends is stale).
+
+At the run's end, :meth:`RoundPolicy.finish` gives every fragment a final round asking every
+live learner: it closes when each of them has answered (or at its deadline, with what came),
+quorum or not, so what the learners trained since their last merged answers reaches the
+global model instead of being thrown away. No round opens after it.
 """
 
 from __future__ import annotations
@@ -92,6 +97,8 @@ class Round:
     answers: dict[tuple[int, int, int], AnswerMeta] = field(default_factory=dict)
     quorum_at: float | None = None
     grace: float = 0.0
+    final_at: float | None = None  # a final round (RoundPolicy.finish): closes by then
+    finally_answered: set[int] = field(default_factory=set)  # answered the final ask
 
     @property
     def learners(self) -> set[int]:
@@ -103,6 +110,8 @@ class Round:
 
     @property
     def deadline(self) -> float | None:
+        if self.final_at is not None:
+            return self.final_at
         return None if self.quorum_at is None else self.quorum_at + self.grace
 
 
@@ -164,6 +173,7 @@ class RoundPolicy:
         self.step_time = Ema(config.grace.smoothing)
         self.sync_time = Ema(config.grace.smoothing)
         self.events: list[Supersession | Dropped] = []
+        self.finishing = False  # finish() was called: final rounds only, no new ones
 
     # -- membership and progress ------------------------------------------------------------
     def join(self, learner: int, step: int = 0) -> list[Round]:
@@ -194,7 +204,7 @@ class RoundPolicy:
         self.progress[learner] = max(self.progress[learner], step)
         target = self._kth_fastest()
         opened: list[Round] = []
-        if target <= self.global_step:
+        if target <= self.global_step or self.finishing:
             return opened
         crossed = range(self.global_step + 1, target + 1)
         self.global_step = target
@@ -208,6 +218,25 @@ class RoundPolicy:
             else:
                 opened.append(self._open(p, now))
         return opened
+
+    def finish(self, now: float, deadline: float) -> list[Round]:
+        """The run's end: a final round for every fragment (an open round becomes one),
+        asking every live learner, to close when each has answered or at ``deadline``; no
+        round opens after. Returns the rounds to ask their ``asked`` for."""
+        require(deadline >= now, "deadline", deadline, f"must not be before now ({now})")
+        self.finishing = True
+        rounds = []
+        for p in range(self.num_fragments):
+            rnd = self.open.get(p)
+            if rnd is None:
+                rnd = self._open(p, now)
+            else:  # a new id: an answer to the earlier ask rides along but is not final
+                rnd.round_id = self.next_round_id[p]
+                self.next_round_id[p] += 1
+            rnd.asked |= set(self.progress)
+            rnd.final_at = deadline
+            rounds.append(rnd)
+        return rounds
 
     def _kth_fastest(self) -> int:
         steps = sorted(self.progress.values(), reverse=True)
@@ -267,6 +296,8 @@ class RoundPolicy:
         return Verdict.ACCEPTED
 
     def _admit(self, rnd: Round, answer: AnswerMeta, now: float) -> Verdict:
+        if rnd.final_at is not None and answer.round_id == rnd.round_id:
+            rnd.finally_answered.add(answer.learner)  # an answer to the final ask
         for key, other in list(rnd.answers.items()):
             same_life = (other.learner, other.incarnation, other.base_version) == (
                 answer.learner,
@@ -299,14 +330,22 @@ class RoundPolicy:
     # -- closing ----------------------------------------------------------------------------
     def ready(self, now: float) -> list[ClosedRound]:
         """Close and return the rounds whose quorum is met and whose grace is over (or whom
-        every asked live learner has answered)."""
+        every asked live learner has answered); a final round, when every asked learner has
+        answered since it became final, or at its deadline (dropped if nobody answered)."""
         closed = []
         for p in sorted(self.open):
             rnd = self.open[p]
             deadline = rnd.deadline
             if deadline is None:
                 continue
-            everyone = rnd.asked <= rnd.learners
+            if rnd.final_at is not None:  # any answer counts; with none, nothing to merge
+                if not rnd.answers:
+                    if now >= deadline or not rnd.asked:  # (everyone left)
+                        del self.open[p]
+                    continue
+                everyone = rnd.asked <= rnd.finally_answered
+            else:
+                everyone = rnd.asked <= rnd.learners
             if now >= deadline or everyone:
                 del self.open[p]
                 closed.append(

@@ -220,6 +220,17 @@ class SyncerState:
         self._apply_events()  # held answers that joined (or aged out of) the new rounds
         return opened
 
+    def finish(self, now: float, deadline: float) -> list[Round]:
+        """The run's end: the final rounds (:meth:`RoundPolicy.finish`), to ask learners for."""
+        rounds = self.policy.finish(now, deadline)
+        self._apply_events()  # held answers that joined (or aged out of) the final rounds
+        return rounds
+
+    @property
+    def finished(self) -> bool:
+        """After :meth:`finish`: every final round has closed."""
+        return self.policy.finishing and not self.policy.open
+
     def on_answer(self, meta: AnswerMeta, delta: Sequence[torch.Tensor], now: float) -> Verdict:
         """A learner's decoded answer: ``delta`` = theta_learner - Theta_base, per slice."""
         meta.validate(self.plan.num_fragments)

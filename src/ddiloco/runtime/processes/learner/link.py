@@ -133,6 +133,7 @@ class SyncerLink(threading.Thread):
         self.welcome: dict[str, Any] | None = None
         self.welcomed = threading.Event()  # set in LIVE and FAILED: whoever waits, wakes
         self.stopped = threading.Event()
+        self.finishing = threading.Event()  # a final ask came: the syncer's final rounds
         self._closing = threading.Event()
         self._peers: queue.SimpleQueue[dict[str, str]] = queue.SimpleQueue()
         self.syncer_session: int | None = None
@@ -381,6 +382,8 @@ class SyncerLink(threading.Thread):
             if h.kind not in ("welcome", "rehello"):
                 self._rehello()
         if h.kind == "ask":
+            if h.meta.get("final"):  # the run's end: train no more, answer, wait for the stop
+                self.finishing.set()
             with self._lock:
                 self._asks[h.fragment] = h.round
         elif h.kind == "fragment":

@@ -10,7 +10,9 @@ and sends them — then the merged fragments that arrived), and a snapshot if a 
 for one. Nothing in the loop waits on a socket. A lock-step method's learner
 (``waits_for_merge``) then waits, polling the boundary again, until the merged fragments it
 must have arrived; while it waits it reports progress (no new tokens) every
-:data:`KEEPALIVE_SECONDS`, so the syncer does not take it for dead.
+:data:`KEEPALIVE_SECONDS`, so the syncer does not take it for dead. Every learner waits the
+same way at the run's end, once a final ask has come: it only answers the syncer's final
+rounds (so the global model gets what it trained since its last answers) until the stop.
 
 Under torchrun the learner is data-parallel (:mod:`.ranks`): every rank trains on its part of
 the learner's batch with gradients averaged, and only rank 0 has the link and the snapshot
@@ -165,6 +167,12 @@ class LearnerProcess:
             # token budget before a single merge (the link gives up loudly after
             # processes.give_up_seconds; the loop then stops at its first boundary)
             self.link.welcomed.wait()
+            if not copied and self.late():
+                self.recover(kind="caught_up")
+                copied = True
+        if self.ranks.active:  # did rank 0 join late? (then every rank copies its state)
+            flag = self.ranks.share_bytes(bytes([copied]) if self.ranks.leader else None)
+            copied = flag == b"\x01"
         if self.ranks.active and copied:  # every rank starts from what rank 0 recovered
             blob = self.ranks.share_bytes(self.snapshot() if self.ranks.leader else None)
             if not self.ranks.leader:
@@ -209,6 +217,15 @@ class LearnerProcess:
                 self.server.close()
             self.ranks.close()
         return 0
+
+    def late(self) -> bool:
+        """A first start welcomed into a run already a sync period (H steps) ahead: this
+        learner was slow to start. It then joins as a newcomer does (a peer's state, else the
+        global step) instead of starting at step 0: a fresh optimizer at the schedule's peak,
+        merged into a model trained past it, can undo the training (eval loss 3.7 -> 10 in 2
+        of 8 runs of the run-directory test's config with outer Nesterov momentum)."""
+        welcome = self.link.welcome or {}
+        return int(welcome.get("global_step", 0)) >= self.sync.plan.sync_every
 
     def should_stop(self) -> bool:
         """Rank 0's call: the syncer said stop, we were asked to leave, or our time is up."""
@@ -258,13 +275,16 @@ class LearnerProcess:
         answered: list[int] = []
         stop = wait = False
         if self.ranks.leader:
-            for answer in self.boundary.answers(self.link.take_asks(), params, step_end):
+            asks = self.link.take_asks()
+            final = self.link.finishing.is_set()  # (set before a final ask is handed over)
+            for answer in self.boundary.answers(asks, params, step_end, final):
                 self.link.push(answer)
                 answered.append(answer.meta.fragment)
             inbox = self.link.take_inbox()
             applies = [(p, v, vals) for p, (v, vals) in sorted(inbox.items())]
             self.rebased.extend(self.boundary.apply(inbox, params))
-            wait = self.boundary.must_wait()
+            # the syncer's final rounds: no more steps, only answers, until the stop
+            wait = self.boundary.must_wait() or self.link.finishing.is_set()
             stop = self.should_stop()
         stop, wait, applies, answered = self.ranks.share_boundary(
             stop, wait, applies, self.shapes, answered
@@ -292,7 +312,7 @@ class LearnerProcess:
             if self.rebased or now - last_report >= KEEPALIVE_SECONDS:
                 self.report(0)
                 last_report = now
-            if now >= warn_at and self.ranks.leader:
+            if now >= warn_at and self.ranks.leader and not self.link.finishing.is_set():
                 log.warning(
                     "learner %d: waiting %.0fs for merged fragments %s (lock-step: a "
                     "merge waits for every learner)",
@@ -346,8 +366,9 @@ class LearnerProcess:
         )
         return True
 
-    def recover(self) -> None:
-        """Copy a healthy peer (nobody pauses), else start from the syncer's fragments."""
+    def recover(self, kind: str = "recovered") -> None:
+        """Copy a healthy peer (nobody pauses), else start from the syncer's fragments;
+        ``kind``: the event that says so (``caught_up``: a late first start)."""
         peers = self.link.request_peers(timeout=30.0)
         for pid, address in sorted(peers.items(), key=lambda kv: int(kv[0])):
             try:
@@ -359,9 +380,7 @@ class LearnerProcess:
             self.load(blob)
             self.bytes_peer += len(blob)
             self.link.register(self.status())
-            self.events(
-                "recovered", learner=self.m, peer=int(pid), bytes=len(blob), step=self.sync.step
-            )
+            self.events(kind, learner=self.m, peer=int(pid), bytes=len(blob), step=self.sync.step)
             return
         # nobody to copy: the syncer's global fragments, fresh inner state, the global step
         self.link.register(self.status())
@@ -380,4 +399,4 @@ class LearnerProcess:
                 if self.sync.apply(p, version, values, params):
                     wanted.discard(p)
             time.sleep(0.01)
-        self.events("recovered", learner=self.m, peer=None, source="syncer", step=step)
+        self.events(kind, learner=self.m, peer=None, source="syncer", step=step)

@@ -21,7 +21,8 @@ counted and logged (rate-limited), never an exception out of the loop.
 
 Learner -> syncer: hello, peers, progress, answer, inline (it cannot read our /dev/shm),
 bye. Syncer -> learner: welcome, peers, rehello (this syncer life's session; it does not
-know this learner life: say hello again and re-push), ask, fragment (a merged fragment, with
+know this learner life: say hello again and re-push), ask (``final``: the run's end, stop
+stepping and answer), fragment (a merged fragment, with
 the answer keys it merged), verdict (an answer dropped), beat, no_shm (send inline),
 refused (this learner cannot take part: it stops, saying why), stop. Progress is credited
 by a step budget (core/credit.py), never beyond what the elapsed time allows.
@@ -35,7 +36,7 @@ import math
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +48,7 @@ from ddiloco.core.codec import encode_tensors
 from ddiloco.core.credit import StepBudget
 from ddiloco.core.ledger import CRASH, LEFT
 from ddiloco.core.restart_ledger import RestartLedger
-from ddiloco.core.rounds import UNSOLICITED, AnswerMeta, Verdict
+from ddiloco.core.rounds import UNSOLICITED, AnswerMeta, Round, Verdict
 from ddiloco.core.syncer_state import MergeResult, SyncerState
 from ddiloco.data.info import bits_per_byte
 from ddiloco.errors import ConfigError, DDiLoCoError
@@ -186,6 +187,7 @@ class SyncerService:
         self.bytes_received = 0
         self.inline: set[int] = set()  # learners that cannot read our /dev/shm slots
         self.resent: dict[tuple[int, int], float] = {}  # (learner, fragment) -> when
+        self.asked_again: dict[tuple[int, int], float] = {}  # ... in a final round
         self.next_eval = self.tokens
         self.last_beat = 0.0
         self.stop = stop or threading.Event()  # set (SIGTERM): end the run now, with a summary
@@ -201,38 +203,74 @@ class SyncerService:
 
     # -- the loop ---------------------------------------------------------------------------
     def serve(self) -> dict[str, Any]:
-        """Run until the token budget (or the time limit) is reached; return the summary."""
+        """Run until the token budget (or the time limit) is reached, then the final rounds
+        (not after a SIGTERM: that ends the run now); return the summary."""
         budget = self.config.train.tokens
         limit = self.config.train.max_virtual_seconds
         self.events("syncer_up", session=self.wire.session)
         while self.tokens < budget and not (limit and self.events.now() >= limit):
             if self.stop.is_set():
                 break
-            deadline = self.syncer.next_deadline()
-            wait = BEAT_SECONDS if deadline is None else deadline - self.events.now()
-            if self.sock.poll(max(0, int(min(wait, BEAT_SECONDS) * 1000)) or 1):
-                for _ in range(64):  # a burst, then give merges and beats a turn
-                    if self.tokens >= budget:
-                        break
-                    try:
-                        frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
-                    except zmq.Again:
-                        break
-                    self.handle(frames)
-            self.poll()
-            now = self.events.now()
-            if now - self.last_beat >= BEAT_SECONDS:
-                self.last_beat = now
-                self.handshakes.drain()
-                self.check_liveness(now)
-                self.store.save_ledger(self.ledger.to_state())  # narrows what a crash loses
-                for m in list(self.incarnations):
-                    self.send(m, "beat", meta={"live": m in self.syncer.policy.progress})
-            if self.next_eval <= self.tokens < budget:  # at the budget: finish() evaluates
-                self.evaluate()
-            if self.tokens < budget and self.checkpoints.due(self.tokens):  # copied now,
-                self.checkpoints.submit(self.syncer.fragments, self.tokens)  # written later
+            self.turn(budget)
+        if not self.stop.is_set():
+            self.final_rounds()
         return self.finish()
+
+    def turn(self, budget: int, finishing: bool = False) -> None:
+        """One turn of the loop: a burst of messages, the merges due, the beat; then, unless
+        ``finishing`` (the final rounds), the evaluation and checkpoint due."""
+        deadline = self.syncer.next_deadline()
+        wait = BEAT_SECONDS if deadline is None else deadline - self.events.now()
+        if self.sock.poll(max(0, int(min(wait, BEAT_SECONDS) * 1000)) or 1):
+            for _ in range(64):  # a burst, then give merges and beats a turn
+                if self.tokens >= budget and not finishing:
+                    break
+                try:
+                    frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    break
+                self.handle(frames)
+        self.poll()
+        now = self.events.now()
+        if now - self.last_beat >= BEAT_SECONDS:
+            self.last_beat = now
+            self.handshakes.drain()
+            self.check_liveness(now)
+            self.store.save_ledger(self.ledger.to_state())  # narrows what a crash loses
+            for m in list(self.incarnations):
+                self.send(m, "beat", meta={"live": m in self.syncer.policy.progress})
+        if finishing:
+            return
+        if self.next_eval <= self.tokens < budget:  # at the budget: finish() evaluates
+            self.evaluate()
+        if self.tokens < budget and self.checkpoints.due(self.tokens):  # copied now,
+            self.checkpoints.submit(self.syncer.fragments, self.tokens)  # written later
+
+    def final_rounds(self) -> None:
+        """At the budget: every live learner is asked for every fragment once more (a final
+        ask: it stops stepping until the stop), and each final round merges when all of them
+        have answered, or after ``processes.final_round_seconds`` with what came."""
+        seconds = self.config.processes.final_round_seconds
+        if seconds <= 0 or not self.syncer.policy.progress:
+            return
+        started = self.events.now()
+        merged = self.syncer.counts.get("merged_rounds", 0)
+        for rnd in self.syncer.finish(started, started + seconds):
+            self.ask(rnd, rnd.asked)
+        while not self.syncer.finished and not self.stop.is_set():
+            self.turn(self.config.train.tokens, finishing=True)
+        self.events(
+            "final_rounds",
+            seconds=round(self.events.now() - started, 4),
+            merged=self.syncer.counts.get("merged_rounds", 0) - merged,
+            fragments=self.plan.num_fragments,
+        )
+
+    def ask(self, rnd: Round, learners: Iterable[int]) -> None:
+        """Ask ``learners`` for an answer in ``rnd`` (a final round's ask says so)."""
+        meta = {"final": True} if rnd.final_at is not None else None
+        for m in sorted(learners):
+            self.send(m, "ask", fragment=rnd.fragment, round=rnd.round_id, meta=meta)
 
     def is_member(self, name: str) -> bool:
         """Which names may connect: the run's learner slots."""
@@ -337,7 +375,7 @@ class SyncerService:
             },
         )
         for rnd in asks:
-            self.send(m, "ask", fragment=rnd.fragment, round=rnd.round_id)
+            self.ask(rnd, [m])
         for p, version in enumerate(self.syncer.versions):
             if version > int(versions[p]):
                 self.send_fragment([m], p, version, self.syncer.fragments[p], [])
@@ -370,8 +408,7 @@ class SyncerService:
         if not steps:
             return
         for rnd in self.syncer.on_progress(m, step, now, report.seconds):
-            for a in sorted(rnd.asked):
-                self.send(a, "ask", fragment=rnd.fragment, round=rnd.round_id)
+            self.ask(rnd, rnd.asked)
 
     def on_answer(self, m: int, meta: dict[str, Any], payload: memoryview) -> None:
         answer = messages.answer(meta, self.plan.num_fragments)
@@ -405,6 +442,19 @@ class SyncerService:
             self.verdict(m, answer, verdict.value)
             if verdict in (Verdict.BASE_ALREADY_MERGED, Verdict.STALE):
                 self.resend(m, answer.fragment)
+                self.ask_again(m, answer.fragment)
+
+    def ask_again(self, m: int, p: int) -> None:
+        """A final round still owed an answer by ``m``, whose answer was on an old base: ask
+        again once the merged fragment has had time to arrive (at most every 0.2 s)."""
+        rnd = self.syncer.policy.open.get(p)
+        if rnd is None or rnd.final_at is None or m not in rnd.asked - rnd.finally_answered:
+            return
+        now = time.monotonic()
+        if now - self.asked_again.get((m, p), -math.inf) >= 0.2:
+            self.asked_again[(m, p)] = now
+            self.counts["asked_again"] += 1
+            self.ask(rnd, [m])
 
     def resend(self, m: int, p: int) -> None:
         """An answer on an old base: the learner may have missed a broadcast (dropped on the
