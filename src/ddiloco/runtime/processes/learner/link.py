@@ -384,8 +384,8 @@ class SyncerLink(threading.Thread):
         if h.kind == "ask":
             if h.meta.get("final"):  # the run's end: train no more, answer, wait for the stop
                 self.finishing.set()
-            with self._lock:
-                self._asks[h.fragment] = h.round
+            with self._lock:  # an older round's ask overtaken on the way is obsolete
+                self._asks[h.fragment] = max(h.round, self._asks.get(h.fragment, h.round))
         elif h.kind == "fragment":
             self._fragment(h.fragment, h.meta, msg.payload)
         elif h.kind == "verdict":

@@ -88,6 +88,7 @@ Handler = Callable[[int, dict[str, Any], memoryview], None]  # (learner, metadat
 
 BEAT_SECONDS = 0.5
 REHELLO_SECONDS = 0.25  # at most one rehello per learner this often
+FINAL_ASK_SECONDS = 1.0  # a final round asks the learners it still waits for again this often
 
 
 class SyncerService:
@@ -257,11 +258,23 @@ class SyncerService:
         merged = self.syncer.counts.get("merged_rounds", 0)
         for rnd in self.syncer.finish(started, started + seconds):
             self.ask(rnd, rnd.asked)
+        asked_at = time.monotonic()
         while not self.syncer.finished and not self.stop.is_set():
             self.turn(self.config.train.tokens, finishing=True)
+            if time.monotonic() - asked_at >= FINAL_ASK_SECONDS:  # an ask lost on the way
+                asked_at = time.monotonic()
+                for rnd in self.syncer.policy.open.values():
+                    self.ask(rnd, rnd.asked - rnd.finally_answered)
+        took = self.events.now() - started
+        if took >= seconds:
+            log.warning(
+                "syncer: the final rounds ran out their %.0fs (processes.final_round_seconds): "
+                "a learner did not answer every fragment; merged what came",
+                seconds,
+            )
         self.events(
             "final_rounds",
-            seconds=round(self.events.now() - started, 4),
+            seconds=round(took, 4),
             merged=self.syncer.counts.get("merged_rounds", 0) - merged,
             fragments=self.plan.num_fragments,
         )
