@@ -72,9 +72,7 @@ def service(tmp_path_factory):
         RunSetup(config), f"127.0.0.1:{free_port('127.0.0.1')}", "r", b"s" * 32, store, events
     )
     yield svc
-    svc.sock.close(0)
-    svc.gate.close()
-    svc.handshakes.close()
+    svc.conn.close()
 
 
 # every message kind the service has a handler for (on_<kind>): a new one is fuzzed here too
@@ -95,7 +93,7 @@ def test_the_handler_table_is_every_on_method(service):
     m=st.integers(0, 1),
 )
 def test_any_metadata_is_refused_or_handled_never_raised(service, kind, meta, payload, m):
-    service.sessions[m] = meta.get("inc") if isinstance(meta.get("inc"), int) else 5
+    service.conn.sessions[m] = meta.get("inc") if isinstance(meta.get("inc"), int) else 5
     before = sum(service.counts.values())
     service.dispatch(m, kind, meta, memoryview(payload))  # must not raise
     assert math.isfinite(service.tokens) and service.tokens >= 0
@@ -106,7 +104,7 @@ def test_any_metadata_is_refused_or_handled_never_raised(service, kind, meta, pa
 
 
 def test_each_malformed_shape_is_counted_as_refused_metadata(service):
-    service.sessions[0] = 5
+    service.conn.sessions[0] = 5
     shapes = [
         ("hello", {"inc": "abc", "step": 0, "versions": [0, 0]}),
         ("hello", {"inc": 5, "step": 0, "versions": []}),

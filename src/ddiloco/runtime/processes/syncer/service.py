@@ -9,15 +9,11 @@ between two merges, and after the last merge) and printing events for the launch
 rule (rounds, quorum, grace, staleness, weights, RDA, outer step, ledger) is the core's. One
 thread, one socket: nothing here waits on a learner.
 
-Who may talk (docs/security.md): the socket is a PLAIN server behind a :class:`Gatekeeper`,
-so only a holder of the run secret completes a handshake, as the learner its credentials
-name; a frame is then acted on only if its signed sender is that learner, and a learner's
-route is the connection its latest authenticated frame came on (no routing id can be taken
-over). Every frame names the receiver's session (``to``): one addressed to an earlier syncer
-life (or a first hello, which knows none) gets a ``rehello`` carrying this life's session,
-and nothing else happens, so a frame captured before a restart is never acted on. Every
-handler's metadata is checked by :mod:`.messages` first; a malformed message is refused,
-counted and logged (rate-limited), never an exception out of the loop.
+Who may talk (docs/security.md) is :mod:`.connections`' concern: a message reaches a handler
+here only when its signed sender is the learner its connection authenticated as, and it is
+addressed to this syncer life. Every handler's metadata is then checked by :mod:`.messages`;
+a malformed message is refused, counted and logged (rate-limited), never an exception out
+of the loop.
 
 Learner -> syncer: hello, peers, progress, answer, inline (it cannot read our /dev/shm),
 bye. Syncer -> learner: welcome, peers, rehello (this syncer life's session; it does not
@@ -32,16 +28,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import threading
 import time
-from collections import defaultdict
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
 import torch
-import zmq
 
 from ddiloco.config import RunConfig
 from ddiloco.core.codec import encode_tensors
@@ -50,35 +43,26 @@ from ddiloco.core.ledger import CRASH, LEFT
 from ddiloco.core.restart_ledger import RestartLedger
 from ddiloco.core.rounds import UNSOLICITED, AnswerMeta, Round, Verdict
 from ddiloco.core.syncer_state import MergeResult, SyncerState
-from ddiloco.data.info import bits_per_byte
 from ddiloco.errors import ConfigError, DDiLoCoError
-from ddiloco.report.summary import Uptime, fragment_goodput
 from ddiloco.runtime.processes.syncer import messages
+from ddiloco.runtime.processes.syncer.attendance import Attendance
 from ddiloco.runtime.processes.syncer.checkpoints import checkpoint_writer
+from ddiloco.runtime.processes.syncer.connections import Connections, Incoming
 from ddiloco.runtime.processes.syncer.evaluator import Evaluator
+from ddiloco.runtime.processes.syncer.restore import restore_service
 from ddiloco.runtime.processes.syncer.store import (
     SyncerStore,
     fingerprint_of,
     journal_header,
     record_of,
-    restore,
 )
-from ddiloco.runtime.processes.transport.auth import (
-    Gatekeeper,
-    HandshakeCounter,
-    learner_of,
-    serve_plain,
-)
+from ddiloco.runtime.processes.syncer.summary import service_summary
 from ddiloco.runtime.processes.transport.events import Events
-from ddiloco.runtime.processes.transport.ratelog import RateLimitedLog
-from ddiloco.runtime.processes.transport.shm import writer_for
-from ddiloco.runtime.processes.transport.sockets import Socket, configure, new_session
+from ddiloco.runtime.processes.transport.ratelog import Throttle
 from ddiloco.runtime.processes.transport.wire import (
     Limits,
-    Wire,
     WireError,
     decode_update,
-    payload_size,
 )
 from ddiloco.runtime.run import RunSetup
 
@@ -87,7 +71,6 @@ log = logging.getLogger(__name__)
 Handler = Callable[[int, dict[str, Any], memoryview], None]  # (learner, metadata, payload)
 
 BEAT_SECONDS = 0.5
-REHELLO_SECONDS = 0.25  # at most one rehello per learner this often
 FINAL_ASK_SECONDS = 1.0  # a final round asks the learners it still waits for again this often
 
 
@@ -111,7 +94,6 @@ class SyncerService:
         self.setup = setup
         self.config: RunConfig = setup.config
         self.events = events
-        self.detect_seconds = detect_seconds
         sync = setup.method.sync
         self.plan = setup.plan
         self.ledger = RestartLedger(self.plan.num_fragments, carry=sync.apply == "carry")
@@ -130,45 +112,21 @@ class SyncerService:
             fingerprint=fingerprint_of(setup),
             fragments=self.plan.num_fragments,
         )
-        self.applied: dict[int, list[tuple[int, int, int]]] = defaultdict(list)
-        self.tokens = 0
-        records = self.store.load()
-        self.restored = bool(records)
-        if records:
-            step, self.tokens = restore(self.syncer, records)
-            for p, rec in records.items():
-                self.applied[p] = list(rec.applied)
-        if self.store.ledger_state is not None:  # the snapshot counting the durable merges
-            self.ledger.load_state(self.store.ledger_state)
-            self.tokens = max(self.tokens, self.ledger.trained_tokens)
-        if records:
+        start = restore_service(self.syncer, self.ledger, self.store)
+        self.restored, self.tokens, self.applied = start.restored, start.tokens, start.applied
+        if start.restored:
             events(
                 "restored",
                 versions=list(self.syncer.versions),
-                global_step=step,
+                global_step=start.step,
                 tokens=self.tokens,
             )
         self.payloads: dict[tuple[int, int, int], bytes] = {}  # journal inputs, until merged
         self.limits = Limits(max_payload=max(64 << 20, 4 * self.plan.total_bytes))
-        session = new_session()
-        shm = writer_for(
-            run_id, "S", session, bind.rpartition(":")[0], self.config.processes.shared_memory
-        )
-        self.wire = Wire(run_id, secret, "S", session, self.limits, shm=shm)
-        self.ctx: zmq.Context[Socket] = zmq.Context()
-        self.gate = Gatekeeper(self.ctx, secret, run_id, self.is_member)
-        self.gate.start()  # before the bind: no handshake goes unchecked
-        self.sock = self.ctx.socket(zmq.ROUTER)
-        configure(self.sock, self.limits)
-        serve_plain(self.sock)
-        self.sock.setsockopt(zmq.ROUTER_MANDATORY, 1)
-        self.counts: dict[str, int] = defaultdict(int)
-        self.say = RateLimitedLog(log)
-        self.handshakes = HandshakeCounter(self.sock, self.counts, self.say)  # before the bind
-        self.sock.bind(f"tcp://{bind}")
-        self.routes: dict[int, bytes] = {}  # learner -> its authenticated connection
-        self.sessions: dict[int, int] = {}  # learner -> the session its frames come from
-        self.rehellos: dict[int, float] = {}  # learner -> when it was last told to rehello
+        shm = self.config.processes.shared_memory
+        self.conn = Connections(bind, run_id, secret, setup.slots, self.limits, shm)
+        self.counts = self.conn.counts  # one tally of what was refused, dropped, re-sent
+        self.send = self.conn.send
         self.evaluator = Evaluator(setup, events)
         self.checkpoints = checkpoint_writer(setup, Path(store_dir), run, self.tokens)
         # what one step of a learner can hold, and how fast steps may be credited
@@ -180,15 +138,10 @@ class SyncerService:
         )
         self.incarnations: dict[int, int] = {}  # learner -> incarnation it registered with
         self.addresses: dict[int, str] = {}  # learner -> peer-recovery address
-        self.last_heard: dict[int, float] = {}
-        self.down_since: dict[int, float] = {}
-        self.down_seconds = 0.0
-        self.uptime = Uptime(setup.method.sync.quorum, start=None)  # from the first hello
-        self.bytes_sent = 0
+        self.attendance = Attendance(sync.quorum, detect_seconds)
         self.bytes_received = 0
-        self.inline: set[int] = set()  # learners that cannot read our /dev/shm slots
-        self.resent: dict[tuple[int, int], float] = {}  # (learner, fragment) -> when
-        self.asked_again: dict[tuple[int, int], float] = {}  # ... in a final round
+        self.resent = Throttle(1.0)  # (learner, fragment): a fragment sent again
+        self.asked_again = Throttle(0.2)  # ... asked again in a final round
         self.next_eval = self.tokens
         self.last_beat = 0.0
         self.stop = stop or threading.Event()  # set (SIGTERM): end the run now, with a summary
@@ -208,7 +161,7 @@ class SyncerService:
         (not after a SIGTERM: that ends the run now); return the summary."""
         budget = self.config.train.tokens
         limit = self.config.train.max_virtual_seconds
-        self.events("syncer_up", session=self.wire.session)
+        self.events("syncer_up", session=self.conn.session)
         while self.tokens < budget and not (limit and self.events.now() >= limit):
             if self.stop.is_set():
                 break
@@ -222,20 +175,20 @@ class SyncerService:
         ``finishing`` (the final rounds), the evaluation and checkpoint due."""
         deadline = self.syncer.next_deadline()
         wait = BEAT_SECONDS if deadline is None else deadline - self.events.now()
-        if self.sock.poll(max(0, int(min(wait, BEAT_SECONDS) * 1000)) or 1):
+        if self.conn.poll(min(wait, BEAT_SECONDS)):
             for _ in range(64):  # a burst, then give merges and beats a turn
                 if self.tokens >= budget and not finishing:
                     break
-                try:
-                    frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
-                except zmq.Again:
+                msg = self.conn.receive()
+                if msg is False:
                     break
-                self.handle(frames)
+                if msg is not None:
+                    self.handle(msg)
         self.poll()
         now = self.events.now()
         if now - self.last_beat >= BEAT_SECONDS:
             self.last_beat = now
-            self.handshakes.drain()
+            self.conn.handshakes.drain()
             self.check_liveness(now)
             self.store.save_ledger(self.ledger.to_state())  # narrows what a crash loses
             for m in list(self.incarnations):
@@ -285,76 +238,32 @@ class SyncerService:
         for m in sorted(learners):
             self.send(m, "ask", fragment=rnd.fragment, round=rnd.round_id, meta=meta)
 
-    def is_member(self, name: str) -> bool:
-        """Which names may connect: the run's learner slots."""
-        m = learner_of(name)
-        return m is not None and m < self.setup.slots
-
-    def refuse(self, reason: str, m: int | None, why: str) -> None:
-        """Count one refused message and say why (rate-limited: a flood stays one line)."""
-        self.counts[reason] += 1
-        self.say(
-            reason,
-            "syncer: refused a message from %s: %s (%s)",
-            "?" if m is None else f"learner {m}",
-            why,
-            reason,
-        )
-
-    def handle(self, frames: list[zmq.Frame]) -> None:
-        """One received message: who sent it (from the handshake), then the wire's checks,
-        then its handler. Never raises."""
-        user = str(frames[-1].get("User-Id")) if len(frames) > 1 else None
-        m = learner_of(user)
-        if m is None or not 0 <= m < self.setup.slots:  # the gatekeeper admits no such peer
-            self.refuse("refused_identity", None, f"connection authenticated as {user!r}")
-            return
-        if len(frames) != 4:  # routing id + a frame's three parts
-            self.refuse("refused_parts", m, f"{len(frames) - 1} parts, a frame has 3")
-            return
-        ident = frames[0].bytes
-        try:
-            msg = self.wire.decode([f.buffer for f in frames[1:]])
-        except WireError as exc:  # logged (rate-limited) and counted by the wire
-            if exc.reason == "shm_missing":  # it cannot reach us through /dev/shm
-                self._send_to(ident, "no_shm", learner=m)
-            return
-        h = msg.header
-        if h.sender != user or h.learner != m:
-            self.refuse("refused_identity", m, f"a frame of {h.sender!r} on {user}'s connection")
-            return
-        self.routes[m] = ident  # an authenticated, fresh frame: this is m's connection now
-        self.sessions[m] = h.session
-        if h.to != self.wire.session:  # for an earlier life of ours, or a first hello
-            now = time.monotonic()
-            if now - self.rehellos.get(m, -math.inf) >= REHELLO_SECONDS:
-                self.rehellos[m] = now
-                self.send(m, "rehello")
-            self.counts["rehello"] += 1
-            return
-        self.last_heard[m] = self.events.now()
-        self.dispatch(m, h.kind, h.meta, msg.payload)
+    def handle(self, msg: Incoming) -> None:
+        """An authenticated message for this syncer life (:mod:`.connections` checked who
+        sent it and for whom): heard from its learner, then its handler."""
+        self.attendance.heard(msg.learner, self.events.now())
+        self.dispatch(msg.learner, msg.kind, msg.meta, msg.payload)
 
     def dispatch(self, m: int, kind: str, meta: dict[str, Any], payload: memoryview) -> None:
         """Run the handler of an authenticated message from learner ``m``; a malformed one
         is refused, counted and logged; nothing gets out."""
         handler = self.handlers.get(kind)
         if handler is None:
-            self.refuse("refused_kind", m, f"unknown message kind {kind[:32]!r}")
+            self.conn.refuse("refused_kind", m, f"unknown message kind {kind[:32]!r}")
             return
         try:
             handler(m, meta, payload)
         except DDiLoCoError as exc:  # malformed metadata, by the messages' checks
-            self.refuse("refused_meta", m, f"{kind}: {exc}")
+            self.conn.refuse("refused_meta", m, f"{kind}: {exc}")
         except Exception as exc:
-            self.refuse("handler_error", m, f"{kind}: {type(exc).__name__}: {exc}")
+            self.conn.refuse("handler_error", m, f"{kind}: {type(exc).__name__}: {exc}")
             log.debug("syncer: handler error", exc_info=True)
 
     # -- messages ---------------------------------------------------------------------------
     def on_hello(self, m: int, meta: dict[str, Any], _: memoryview) -> None:
         hello = messages.hello(meta, self.plan.num_fragments)
         inc, step, versions = hello.incarnation, hello.step, hello.versions
-        if inc != self.sessions.get(m):
+        if inc != self.conn.sessions.get(m):
             raise ConfigError("meta.inc", inc, "is not the session this learner signs with")
         if not self.restored and max(versions, default=0) > 0 and not any(self.syncer.versions):
             why = (
@@ -362,21 +271,18 @@ class SyncerService:
                 f"syncer's store {self.store.dir} is empty: was the syncer started with "
                 "another --store, or was its store lost? Restore it, or start the run anew"
             )
-            self.refuse("refused_ahead", m, why)  # its answers could never merge: say so
+            self.conn.refuse("refused_ahead", m, why)  # its answers could never merge: say so
             self.send(m, "refused", meta={"why": why})
             return
         now = self.events.now()
         self.ledger.joined(m, inc, step, versions)  # a new life: what the old one held is lost
         self.account_uptime(now)
-        if m in self.down_since:
-            self.down_seconds += now - self.down_since.pop(m)
+        self.attendance.back(m, now)
         self.incarnations[m] = inc
         self.addresses[m] = hello.peer
-        if self.budget_incarnations.get(m) != inc:  # a life the budget has not seen: from where
-            self.budget_incarnations[m] = (
-                inc  # the ledger counted it (a restored life), or its first
-            )
-            restored = m in self.ledger.spans_restart  # report's tokens (a new one)
+        if self.budget_incarnations.get(m) != inc:  # a life the budget has not seen: from
+            self.budget_incarnations[m] = inc  # where the ledger counted it (a restored
+            restored = m in self.ledger.spans_restart  # life), or its first report's tokens
             self.budget.join(m, self.ledger.last_step[m][0] if restored else None, now)
         asks = self.syncer.policy.join(m, step)
         self.send(
@@ -396,9 +302,9 @@ class SyncerService:
 
     def on_inline(self, m: int, meta: dict[str, Any], _: memoryview) -> None:
         """Learner ``m`` cannot read our shared-memory slots: send it payloads inline."""
-        if m not in self.inline:
+        if m not in self.conn.inline:
             log.warning("syncer: learner %d sees another /dev/shm; sending it frames inline", m)
-        self.inline.add(m)
+        self.conn.inline.add(m)
 
     def on_peers(self, m: int, meta: dict[str, Any], _: memoryview) -> None:
         live = self.syncer.policy.progress
@@ -463,9 +369,7 @@ class SyncerService:
         rnd = self.syncer.policy.open.get(p)
         if rnd is None or rnd.final_at is None or m not in rnd.asked - rnd.finally_answered:
             return
-        now = time.monotonic()
-        if now - self.asked_again.get((m, p), -math.inf) >= 0.2:
-            self.asked_again[(m, p)] = now
+        if self.asked_again.ready((m, p)):
             self.counts["asked_again"] += 1
             self.ask(rnd, [m])
 
@@ -473,9 +377,7 @@ class SyncerService:
         """An answer on an old base: the learner may have missed a broadcast (dropped on the
         way, or in a slot it could not read), and a learner that never hears of a merge keeps
         answering on its old base. Send it the fragment again, at most once a second."""
-        now = time.monotonic()
-        if now - self.resent.get((m, p), -math.inf) >= 1.0:
-            self.resent[(m, p)] = now
+        if self.resent.ready((m, p)):
             self.counts["resent_fragment"] += 1
             self.send_fragment([m], p, self.syncer.versions[p], self.syncer.fragments[p], [])
 
@@ -541,37 +443,21 @@ class SyncerService:
             )
         return len(payload)
 
-    def send(self, m: int, kind: str, **kw: Any) -> None:
-        """To learner ``m``'s latest authenticated connection, addressed to its session."""
-        route = self.routes.get(m)
-        if route is None:
-            self.counts["send_unrouted"] += 1
-            return
-        self._send_to(
-            route, kind, learner=m, inline=m in self.inline, to=self.sessions.get(m, 0), **kw
-        )
-
-    def _send_to(self, route: bytes, kind: str, **kw: Any) -> None:
-        parts = self.wire.encode(kind, **kw)
-        try:
-            self.sock.send_multipart([route, *parts], zmq.NOBLOCK, copy=False)
-            self.bytes_sent += payload_size(parts)
-        except (zmq.Again, zmq.ZMQError):  # unreachable or its queue is full (frozen)
-            self.counts["send_dropped"] += 1
-
     # -- liveness, evaluation, the end -----------------------------------------------------
     def check_liveness(self, now: float) -> None:
-        for m in list(self.syncer.policy.progress):
-            if now - self.last_heard.get(m, now) > self.detect_seconds:
-                self.account_uptime(now)
-                self.syncer.policy.leave(m, now)  # no longer waited for; the ledger waits to
-                self.down_since[m] = now - self.detect_seconds  # see a new life (or the end)
-                self.events("detected", learner=m)
+        """Give up the learners silent for ``detect_seconds``: no longer waited for; the
+        ledger waits to see a new life (or the end)."""
+        late = self.attendance.overdue(self.syncer.policy.progress, now)
+        if late:
+            self.account_uptime(now)
+        for m in late:
+            self.syncer.policy.leave(m, now)
+            self.events("detected", learner=m)
         self.poll()
 
     def account_uptime(self, now: float) -> None:
         """Called before every membership change: time with >= K live learners is up."""
-        self.uptime.account(now, len(self.syncer.policy.progress))
+        self.attendance.change(now, len(self.syncer.policy.progress))
 
     def evaluate(self) -> None:
         """Start an evaluation of the global model on the evaluator's thread (skipped and
@@ -590,7 +476,7 @@ class SyncerService:
             log.error("syncer: the final checkpoint failed: %s: %s", type(exc).__name__, exc)
 
     def finish(self) -> dict[str, Any]:
-        self.handshakes.drain()
+        self.conn.handshakes.drain()
         now = self.events.now()
         self.account_uptime(now)
         for m in list(self.incarnations):
@@ -599,48 +485,15 @@ class SyncerService:
         final = self.setup.eval_loss(self.syncer.fragments)
         self.events("eval", tokens=self.tokens, loss=final)
         self.write_final(final)
-        for m in sorted({*self.down_since, *self.ledger.absent()}):  # given up, or not back after
-            self.ledger.crashed(m, CRASH)  # a syncer restart: what it held died with it
+        # given up, or not back after a syncer restart: what it held died with it
+        for m in sorted({*self.attendance.down_since, *self.ledger.absent()}):
+            self.ledger.crashed(m, CRASH)
         self.ledger.close()
-        ledger = self.ledger.summary()
-        down = self.down_seconds + sum(now - s for s in self.down_since.values())
-        step = self.syncer.policy.step_time.value or 1.0
-        per_step = self.setup.tokens_per_step
-        lost_capacity = down / step * per_step
-        wasted: dict[str, float] = ledger["tokens_wasted"]  # type: ignore[assignment]
-        summary = {
-            "eval_loss": final,
-            "eval_bpb": bits_per_byte(final, self.config.data.source),
-            "checkpoint": self.checkpoints.relative(),
-            "checkpoint_writes": self.checkpoints.summary(),
-            "tokens": self.tokens,
-            "tokens_merged": ledger["tokens_merged"],
-            "tokens_wasted": wasted,
-            "tokens_carried": ledger["tokens_carried"],
-            "ledger_balanced": ledger["balanced"] and not self.ledger.errors,
-            "ledger_errors": self.ledger.errors,
-            "ledger_restart": dict(self.ledger.restart),
-            "goodput": fragment_goodput(self.tokens, wasted, lost_capacity),
-            "uptime": self.uptime.share(now),
-            "bytes_sent": self.bytes_sent,
-            "bytes_received": self.bytes_received,
-            "rounds": self.syncer.counts.get("merged_rounds", 0),
-            "answers": dict(sorted(self.syncer.counts.items())),
-            "refused": dict(sorted(self.wire.refused.items())),
-            "service": dict(sorted(self.counts.items())),
-            "gatekeeper": dict(sorted(self.gate.counts.items())),
-            "evaluations": self.evaluator.summary(),
-            "store_writes": self.store.writes,
-            "versions": list(self.syncer.versions),
-        }
+        summary = service_summary(self, final, now)
         self.events("summary", **summary)
         for _ in range(3):  # stop is not acknowledged: say it a few times
             time.sleep(0.1)
             for m in list(self.incarnations):
                 self.send(m, "stop")
-        self.handshakes.close()
-        self.sock.close(0)
-        self.gate.close()
-        self.ctx.term()
-        self.wire.close()
+        self.conn.close()
         return summary

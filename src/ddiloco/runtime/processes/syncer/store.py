@@ -30,8 +30,9 @@ file recorded (never broadcast), and both cuts are noted (``SyncerStore.notes``,
 damage elsewhere is refused. A failed write (a full disk) raises StoreError and leaves the
 previous file, or the journal's previous length. The directory is 0700, every file 0600.
 
-This module is the store's public API (:class:`SyncerStore`, :func:`record_of`,
-:func:`restore`): when each file is written, and what a restart may trust. The bytes are
+This module is the store's public API (:class:`SyncerStore`; :func:`record_of` and
+:func:`restore` from :mod:`~ddiloco.runtime.processes.syncer.restore`, the bridge to the
+core's SyncerState): when each file is written, and what a restart may trust. The bytes are
 :mod:`~ddiloco.runtime.processes.syncer.store_format`'s (fragment, ledger and manifest files) and
 :mod:`~ddiloco.runtime.processes.syncer.store_journal`'s (the journal, its cuts, the audits); every
 public name of both is importable from here.
@@ -52,8 +53,7 @@ from typing import Any
 
 import torch
 
-from ddiloco.core.syncer_state import SyncerState
-from ddiloco.errors import ConfigError
+from ddiloco.runtime.processes.syncer.restore import record_of, restore
 
 # Re-exported for the damage tests, which forge files with them.
 from ddiloco.runtime.processes.syncer.store_format import _CRC as _CRC
@@ -472,57 +472,3 @@ class SyncerStore:
                     os.fsync(f.fileno())
             except OSError as exc:
                 raise _os_error(self.journal_path, exc, "cutting it") from exc
-
-
-# -- the bridge between SyncerState and its durable record -----------------------------------
-def record_of(
-    syncer: SyncerState,
-    p: int,
-    tokens: int,
-    applied: list[Key],
-    ledger: dict[str, Any] | None = None,
-) -> FragmentRecord:
-    """Fragment ``p``'s durable record, right after a merge. ``applied`` is every answer key
-    merged into it so far (the service keeps that list: the core forgets merged ids);
-    ``ledger`` the ledger's state counting this merge and no later one."""
-    policy = syncer.policy
-    return FragmentRecord(
-        fragment=p,
-        version=policy.versions[p],
-        next_round_id=policy.next_round_id[p],
-        global_step=policy.global_step,
-        tokens=tokens,
-        values=syncer.fragments[p],
-        outer=syncer.outer[p].state_dict(),
-        applied=applied,
-        merged_base={(lrn, inc): b for (lrn, inc, q), b in policy.merged_base.items() if q == p},
-        ledger=ledger,
-        norm_window=list(syncer.norm_windows[p].values),
-    )
-
-
-@torch.no_grad()
-def restore(syncer: SyncerState, records: dict[int, FragmentRecord]) -> tuple[int, int]:
-    """Load durable records into a freshly built syncer; returns (global step, tokens)."""
-    policy = syncer.policy
-    step, tokens = 0, 0
-    for p, rec in sorted(records.items()):
-        if not 0 <= p < len(syncer.fragments):
-            raise StoreError("fragment", p, f"the plan has {len(syncer.fragments)} fragments")
-        try:
-            syncer.restore_fragment(
-                p,
-                rec.values,
-                rec.outer,
-                rec.version,
-                rec.next_round_id,
-                rec.applied,
-                rec.merged_base,
-                norm_window=rec.norm_window,
-            )
-        except ConfigError as exc:
-            raise StoreError(exc.field, exc.value, exc.why) from None
-        step = max(step, rec.global_step)
-        tokens = max(tokens, rec.tokens)
-    policy.global_step = step
-    return step, tokens

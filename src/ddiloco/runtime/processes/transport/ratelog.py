@@ -7,6 +7,7 @@ few seconds, and the next line says how many it did not show.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections import Counter
@@ -34,3 +35,20 @@ class RateLimitedLog:
             hidden = self._hidden.pop(reason, 0)
         suffix = f" ({hidden} more like it not shown)" if hidden else ""
         self.logger.log(level, message + suffix, *args)
+
+
+class Throttle:
+    """Lets an action through at most once every ``seconds`` per key (a rehello, a re-sent
+    fragment): a peer that keeps provoking it gets one, not a flood. Single-threaded."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+        self._last: dict[object, float] = {}
+
+    def ready(self, key: object) -> bool:
+        """True (and the key's clock restarts) when ``key`` last passed ``seconds`` ago."""
+        now = time.monotonic()
+        if now - self._last.get(key, -math.inf) < self.seconds:
+            return False
+        self._last[key] = now
+        return True
