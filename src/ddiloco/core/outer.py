@@ -74,7 +74,10 @@ class OuterOptimizer(Protocol):
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
-def _check(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> None:
+def _check(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], scale: float) -> None:
+    """One outer gradient per parameter, of its shape; fp32 parameters; a sane scale."""
+    if not (math.isfinite(scale) and scale > 0.0):
+        raise ConfigError("scale", scale, "the inner learning-rate factor must be finite and > 0")
     if len(params) != len(grads):
         raise ConfigError("grads", len(grads), f"expected one per parameter ({len(params)})")
     for i, (p, g) in enumerate(zip(params, grads, strict=True)):
@@ -95,7 +98,7 @@ class PlainSGD:
     def step(
         self, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], scale: float = 1.0
     ) -> None:
-        _check(params, grads)  # (no momentum: the scale changes nothing)
+        _check(params, grads, scale)  # (no momentum: the scale changes nothing)
         for p, g in zip(params, grads, strict=True):
             p.add_(g, alpha=-self.lr)
         self.steps += 1
@@ -123,8 +126,7 @@ class NesterovSGD:
     def step(
         self, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], scale: float = 1.0
     ) -> None:
-        _check(params, grads)
-        _check_scale(scale)
+        _check(params, grads, scale)
         if self.buffers is None:  # (x * 1.0 and x / 1.0 are exact: s = 1 is plain Nesterov)
             self.buffers = [g.to(torch.float32, copy=True).div_(scale) for g in grads]
         else:
@@ -169,8 +171,7 @@ class DelayedNesterov:
     def step(
         self, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], scale: float = 1.0
     ) -> None:
-        _check(params, grads)
-        _check_scale(scale)
+        _check(params, grads, scale)
         if self.pending is None:
             self.pending = [torch.zeros_like(p) for p in params]
         for acc, g in zip(self.pending, grads, strict=True):
@@ -194,11 +195,6 @@ class DelayedNesterov:
         self.steps = int(state["steps"])
         self.buffers = _copy(state["buffers"])
         self.pending = _copy(state["pending"])
-
-
-def _check_scale(scale: float) -> None:
-    if not (math.isfinite(scale) and scale > 0.0):
-        raise ConfigError("scale", scale, "the inner learning-rate factor must be finite and > 0")
 
 
 def _copy(tensors: Sequence[torch.Tensor] | None) -> list[torch.Tensor] | None:
