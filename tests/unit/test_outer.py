@@ -168,3 +168,41 @@ def test_a_rounds_scale_is_the_weighted_mean_factor_of_the_steps_its_answers_cov
     assert schedule_scale(lambda s: 0.0, [a], [1.0]) > 0.0  # never a division by zero
     long = answer(100_000, 100_000)  # a delta of many steps is sampled, not summed step by step
     assert schedule_scale(lambda s: 1.0, [long], [1.0]) == 1.0
+
+
+def test_a_whole_period_is_the_plain_step_and_no_period_pushes_no_momentum():
+    # fraction 1 is the rule of every other test, bit for bit
+    g1, g2 = 1.0, 0.5
+    whole = make_outer_optimizer(OuterConfig("nesterov", lr=0.5, momentum=0.9))
+    plain = make_outer_optimizer(OuterConfig("nesterov", lr=0.5, momentum=0.9))
+    a, b = torch.zeros(3), torch.zeros(3)
+    for g in (g1, g2):
+        whole.step([a], [torch.full((3,), g)], 1.0, 1.0)
+        plain.step([b], [torch.full((3,), g)])
+    assert torch.equal(a, b)
+    # fraction 0 (a final round): the buffer takes the gradient undecayed, the step is lr * g
+    opt = make_outer_optimizer(OuterConfig("nesterov", lr=0.5, momentum=0.9))
+    theta = torch.zeros(3)
+    opt.step([theta], [torch.full((3,), g1)])
+    before = theta.clone()
+    opt.step([theta], [torch.full((3,), g2)], 1.0, 0.0)
+    assert torch.allclose(theta - before, torch.full((3,), -0.5 * g2))
+    assert torch.allclose(opt.state_dict()["buffers"][0], torch.full((3,), g1 + g2))
+
+
+def test_half_a_period_decays_the_momentum_by_its_square_root_and_pushes_half():
+    # buf = mu^0.5 * g1 + g2; update 2 = lr * (g2 + mu * 0.5 * buf)
+    opt = make_outer_optimizer(OuterConfig("nesterov", lr=0.5, momentum=0.9))
+    theta = torch.zeros(2)
+    opt.step([theta], [torch.ones(2)])
+    before = theta.clone()
+    opt.step([theta], [torch.full((2,), 0.5)], 1.0, 0.5)
+    buf = 0.9**0.5 * 1.0 + 0.5
+    assert torch.allclose(theta - before, torch.full((2,), -0.5 * (0.5 + 0.9 * 0.5 * buf)))
+
+
+@pytest.mark.parametrize("fraction", [-0.1, 1.5, float("nan")])
+def test_an_impossible_fraction_is_refused(fraction):
+    opt = make_outer_optimizer(OuterConfig("nesterov"))
+    with pytest.raises(ConfigError, match="fraction"):
+        opt.step([torch.zeros(2)], [torch.ones(2)], 1.0, fraction)

@@ -200,3 +200,33 @@ def test_ledger_refuses_impossible_counters():
         ledger.trained(0, -1)
     with pytest.raises(ConfigError, match="key"):
         ledger.merged_answer("nope", 1.0)
+
+
+def test_the_period_fraction_counts_global_steps_since_the_last_merged_round_opened():
+    from ddiloco.core.syncer_state import period_fraction
+
+    assert period_fraction(5, None, 8) == 1.0  # a first round: a whole outer step
+    assert period_fraction(16, 8, 8) == 1.0 and period_fraction(30, 8, 8) == 1.0  # (capped)
+    assert period_fraction(12, 8, 8) == 0.5
+    assert period_fraction(8, 8, 8) == 0.0
+
+
+def test_a_final_round_merges_without_pushing_momentum():
+    syncer = _syncer()
+    syncer.policy.join(0)
+    (rnd,) = syncer.on_progress(0, 1, now=0.0, step_seconds=1.0)
+    delta = [torch.full_like(t, 0.1) for t in syncer.fragments[rnd.fragment]]
+    meta = AnswerMeta(0, 0, 0, rnd.fragment, rnd.round_id, 0, 1, 1, 100)
+    syncer.on_answer(meta, delta, now=0.1)
+    (first,) = syncer.poll(now=0.1)
+    assert first.fraction == 1.0
+    for final in syncer.finish(now=1.0, deadline=5.0):
+        d = [torch.full_like(t, 0.1) for t in syncer.fragments[final.fragment]]
+        answer = AnswerMeta(0, 0, final.fragment + 1, final.fragment, final.round_id, 0, 2, 1, 10)
+        if final.fragment == first.fragment:
+            answer = AnswerMeta(0, 0, 9, final.fragment, final.round_id, 1, 2, 1, 10)
+        assert syncer.on_answer(answer, d, now=1.1) is Verdict.ACCEPTED
+    results = syncer.poll(now=1.1)
+    assert len(results) == syncer.plan.num_fragments and syncer.finished
+    assert {r.fraction for r in results} == {0.0}
+    assert all(r.record(0)["fraction"] == 0.0 for r in results)

@@ -13,6 +13,13 @@ with them after the direction has changed (the divergence of docs/decisions.md 6
 momentum optimizers therefore keep their buffer in peak-lr units (Delta / scale) and apply
 it at the current scale: ``buf <- mu buf + Delta / s; Theta <- Theta - lr (Delta + mu s buf)``.
 With s = 1 it is plain Nesterov, bit for bit; with mu = 0 the scale changes nothing.
+
+``step`` also takes a ``fraction``: the share of a sync period (H inner steps of the run)
+the outer step covers, in [0, 1]. Momentum is a velocity per period, so an outer step that
+comes sooner than a period after the fragment's previous one (the final rounds at the end
+of a wall-clock run, which merge what was trained since the last round) must not push by a
+whole period's velocity: the buffer decays by mu^f and pushes mu f s buf
+(docs/decisions.md 73). With f = 1 it is the rule above, bit for bit.
 """
 
 from __future__ import annotations
@@ -66,7 +73,11 @@ class OuterOptimizer(Protocol):
     """
 
     def step(
-        self, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], scale: float = 1.0
+        self,
+        params: Sequence[torch.Tensor],
+        grads: Sequence[torch.Tensor],
+        scale: float = 1.0,
+        fraction: float = 1.0,
     ) -> None: ...
 
     def state_dict(self) -> dict[str, Any]: ...
@@ -74,10 +85,15 @@ class OuterOptimizer(Protocol):
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
-def _check(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], scale: float) -> None:
-    """One outer gradient per parameter, of its shape; fp32 parameters; a sane scale."""
+def _check(
+    params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], scale: float, fraction: float
+) -> None:
+    """One outer gradient per parameter, of its shape; fp32 parameters; a sane scale and
+    fraction."""
     if not (math.isfinite(scale) and scale > 0.0):
         raise ConfigError("scale", scale, "the inner learning-rate factor must be finite and > 0")
+    if not 0.0 <= fraction <= 1.0:
+        raise ConfigError("fraction", fraction, "the share of a sync period must be in [0, 1]")
     if len(params) != len(grads):
         raise ConfigError("grads", len(grads), f"expected one per parameter ({len(params)})")
     for i, (p, g) in enumerate(zip(params, grads, strict=True)):
@@ -96,9 +112,13 @@ class PlainSGD:
 
     @torch.no_grad()
     def step(
-        self, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], scale: float = 1.0
+        self,
+        params: Sequence[torch.Tensor],
+        grads: Sequence[torch.Tensor],
+        scale: float = 1.0,
+        fraction: float = 1.0,
     ) -> None:
-        _check(params, grads, scale)  # (no momentum: the scale changes nothing)
+        _check(params, grads, scale, fraction)  # (no momentum: scale and fraction do nothing)
         for p, g in zip(params, grads, strict=True):
             p.add_(g, alpha=-self.lr)
         self.steps += 1
@@ -124,15 +144,21 @@ class NesterovSGD:
 
     @torch.no_grad()
     def step(
-        self, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], scale: float = 1.0
+        self,
+        params: Sequence[torch.Tensor],
+        grads: Sequence[torch.Tensor],
+        scale: float = 1.0,
+        fraction: float = 1.0,
     ) -> None:
-        _check(params, grads, scale)
-        if self.buffers is None:  # (x * 1.0 and x / 1.0 are exact: s = 1 is plain Nesterov)
+        _check(params, grads, scale, fraction)
+        # (x * 1.0 and x / 1.0 are exact, and mu ** 1.0 is mu: s = f = 1 is plain Nesterov)
+        decay = self.momentum if fraction == 1.0 else self.momentum**fraction
+        if self.buffers is None:
             self.buffers = [g.to(torch.float32, copy=True).div_(scale) for g in grads]
         else:
             for buf, g in zip(self.buffers, grads, strict=True):
-                buf.mul_(self.momentum).add_(g, alpha=1.0 / scale)
-        mu = self.momentum * scale
+                buf.mul_(decay).add_(g, alpha=1.0 / scale)
+        mu = self.momentum * scale * fraction
         for p, g, buf in zip(params, grads, self.buffers, strict=True):
             p.add_(g.add_(buf, alpha=mu), alpha=-self.lr)  # as torch's SGD, in place
         self.steps += 1
@@ -169,9 +195,13 @@ class DelayedNesterov:
 
     @torch.no_grad()
     def step(
-        self, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], scale: float = 1.0
+        self,
+        params: Sequence[torch.Tensor],
+        grads: Sequence[torch.Tensor],
+        scale: float = 1.0,
+        fraction: float = 1.0,
     ) -> None:
-        _check(params, grads, scale)
+        _check(params, grads, scale, fraction)  # (its refresh every N updates ignores fraction)
         if self.pending is None:
             self.pending = [torch.zeros_like(p) for p in params]
         for acc, g in zip(self.pending, grads, strict=True):

@@ -99,6 +99,7 @@ class Round:
     grace: float = 0.0
     final_at: float | None = None  # a final round (RoundPolicy.finish): closes by then
     finally_answered: set[int] = field(default_factory=set)  # answered the final ask
+    opened_step: int = 0  # the global step it opened at (the outer momentum's clock)
 
     @property
     def learners(self) -> set[int]:
@@ -128,6 +129,8 @@ class ClosedRound:
     closed_at: float
     grace: float
     asked: int
+    opened_step: int = 0
+    final: bool = False  # a final round (RoundPolicy.finish)
 
 
 @dataclass(frozen=True)
@@ -246,6 +249,7 @@ class RoundPolicy:
 
     def _open(self, p: int, now: float) -> Round:
         rnd = Round(p, self.next_round_id[p], self.versions[p], now, set(self.progress))
+        rnd.opened_step = self.global_step
         self.next_round_id[p] += 1
         self.open[p] = rnd
         for answer in self.waiting.pop(p, {}).values():
@@ -359,6 +363,8 @@ class RoundPolicy:
                         now,
                         rnd.grace,
                         len(rnd.asked),
+                        rnd.opened_step,
+                        rnd.final_at is not None,
                     )
                 )
         return closed

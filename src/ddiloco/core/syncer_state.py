@@ -88,6 +88,15 @@ def schedule_scale(
     return max(acc / total, MIN_SCHEDULE_SCALE)
 
 
+def period_fraction(opened_step: int, previous: int | None, sync_every: int) -> float:
+    """The share of a sync period (``sync_every`` global steps) since the fragment's previous
+    merged round opened, at most 1 (a first round, or one a period or more later: a whole
+    outer step). Less only for a round opened sooner: the final rounds (core/outer.py)."""
+    if previous is None or opened_step - previous >= sync_every:
+        return 1.0
+    return max(0.0, (opened_step - previous) / sync_every)
+
+
 def workspace_views(workspace: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
     """``like``'s shapes laid over the front of a flat merge workspace."""
     views, offset = [], 0
@@ -108,10 +117,12 @@ def merge_step(
     plain: Sequence[bool],
     workspace: torch.Tensor,
     scale: float = 1.0,
+    fraction: float = 1.0,
 ) -> float:
     """One merge of one fragment: the weighted outer gradient (RDA or mean) of the deltas,
     built in ``workspace``, then the outer step in place at the inner learning-rate factor
-    ``scale`` (:func:`schedule_scale`). Returns the update's L2 norm.
+    ``scale`` (:func:`schedule_scale`), covering ``fraction`` of a sync period
+    (:func:`period_fraction`). Returns the update's L2 norm.
 
     The one place the merge arithmetic lives: the syncer and any replay of its record (an
     audit, a restarted service) call it, so they get the same bits.
@@ -128,7 +139,7 @@ def merge_step(
         scale=-1.0,  # outer gradient = Theta_base - theta = -delta
     )
     norm = math.sqrt(sum(n * n for n in tensor_norms(merged)))
-    outer.step(fragment, merged, scale)  # may consume ``merged``: the norm is taken first
+    outer.step(fragment, merged, scale, fraction)  # may consume ``merged``: the norm is taken first
     return norm
 
 
@@ -147,6 +158,7 @@ class MergeResult:
     # carry the credited counters the weights came from.
     scales: tuple[float, ...] = ()
     schedule_scale: float = 1.0  # the inner learning-rate factor of the outer step
+    fraction: float = 1.0  # the share of a sync period the outer step covers
 
     def record(self, broadcast_bytes: int) -> dict[str, Any]:
         """The ``round`` record every runtime writes to metrics.jsonl (without its time)."""
@@ -163,6 +175,7 @@ class MergeResult:
             "weights": {str(k): v for k, v in sorted(self.weights.items())},
             "update_norm": self.update_norm,
             "schedule_scale": self.schedule_scale,
+            "fraction": self.fraction,
             "broadcast_bytes": broadcast_bytes,
         }
 
@@ -206,6 +219,9 @@ class SyncerState:
         self.counts: dict[str, int] = {}
         self.norm_windows = [NormWindow(config.robust.norm_window) for _ in self.fragments]
         self.param_norms = [answer_norm(tensor_norms(f)) for f in self.fragments]  # ||Theta_p||
+        # per fragment: the global step its last merged round opened at (None: none yet, or
+        # not since a restart: the next outer step is a whole one)
+        self.merged_opened: list[int | None] = [None] * plan.num_fragments
 
     @property
     def versions(self) -> list[int]:
@@ -343,6 +359,11 @@ class SyncerState:
             per_learner[a.learner] = per_learner.get(a.learner, 0.0) + w
         spans = [self._at_credited_step(a) for a in closed.answers]
         factor = schedule_scale(self.schedule, spans, weights)
+        fraction = (
+            0.0
+            if closed.final
+            else period_fraction(closed.opened_step, self.merged_opened[p], self.plan.sync_every)
+        )
         update_norm = merge_step(
             self.fragments[p],
             self.outer[p],
@@ -353,8 +374,10 @@ class SyncerState:
             self.plain_mask[p],
             self._workspace,
             factor,
+            fraction,
         )
         version = self.policy.on_merged(closed)
+        self.merged_opened[p] = closed.opened_step
         for a, w in zip(closed.answers, weights, strict=True):
             if self.ledger is not None:
                 self.ledger.merged_answer(a.key, w)
@@ -362,7 +385,15 @@ class SyncerState:
         if self.config.robust.enabled:
             self.param_norms[p] = answer_norm(tensor_norms(self.fragments[p]))
         return MergeResult(
-            p, version, self.fragments[p], closed, per_learner, update_norm, tuple(scales), factor
+            p,
+            version,
+            self.fragments[p],
+            closed,
+            per_learner,
+            update_norm,
+            tuple(scales),
+            factor,
+            fraction,
         )
 
     def _clip(

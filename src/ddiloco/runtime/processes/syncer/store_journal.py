@@ -196,6 +196,7 @@ def journal_header(result: MergeResult) -> dict[str, Any]:
         ],
         "scales": list(result.scales),  # robust merging's clip factor of each answer
         "schedule_scale": result.schedule_scale,  # the outer step's inner-lr factor
+        "fraction": result.fraction,  # ... and the share of a sync period it covers
     }
 
 
@@ -237,6 +238,7 @@ def replay_journal(
             plain_mask[p],
             workspace,
             float(header.get("schedule_scale", 1.0)),
+            float(header.get("fraction", 1.0)),
         )
     return fragments, merged
 
