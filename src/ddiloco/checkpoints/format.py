@@ -5,7 +5,8 @@ A checkpoint is a directory a user takes home: the global model's weights
 ``save_pretrained`` writes, so ``AutoModelForCausalLM.from_pretrained(dir)`` loads it as it
 is; for ddiloco's GPT, the model's name and its ``GPTConfig`` fields), the tokenizer's files,
 the run's config (``run.toml``) and ``ddiloco.json``: method, step, tokens, eval loss, the
-model spec and, for every other file, its size and BLAKE3 digest. Nothing is pickled.
+model spec and, for every other file, its size and BLAKE3 digest. The simulated clock adds
+its resume state (``resume/``, :mod:`.sim_state`). Nothing is pickled.
 
 A run keeps its first method's checkpoints (``config.methods[0]``: the one users take home)
 in ``RUN/checkpoints/step-N/`` and every other method's in ``RUN/checkpoints/<method>/step-N/``.

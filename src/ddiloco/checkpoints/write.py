@@ -9,8 +9,9 @@ at the same step; a data-parallel job restarted from an older rollback checkpoin
 it: the old directory is renamed aside first, then removed. Every checkpoint is kept: they are
 the user's, and ``train.checkpoint_every`` bounds how many a run writes.
 
-Writing only reads the model it is given and evaluates a model of its own, so it never changes
-a run: the simulated clock's results are bit for bit those of a run without checkpoints.
+Writing only reads the model it is given (and the resume state the simulated clock hands it,
+:mod:`.sim_state`) and evaluates a model of its own, so it never changes a run: the simulated
+clock's results are bit for bit those of a run without checkpoints.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from ddiloco.checkpoints.format import (
     home_of,
     step_name,
 )
+from ddiloco.checkpoints.sim_state import ResumeState, write_state
 from ddiloco.checkpoints.weights import write_weights
 from ddiloco.config import RunConfig, to_toml
 from ddiloco.core.plans import scatter
@@ -98,11 +100,15 @@ def write_checkpoint(
     step: int,
     tokens: int,
     eval_loss: float,
+    state: ResumeState | None = None,
 ) -> Path:
     """Write one checkpoint directory at ``path``, atomically (module docstring); a failed
-    write (a full disk) is a :class:`CheckpointError` naming it, and leaves what was there."""
+    write (a full disk) is a :class:`CheckpointError` naming it, and leaves what was there.
+    ``state``: the simulated clock's resume state (:mod:`.sim_state`), written with it."""
     with _staged(path) as tmp:
         kind, known = write_model(tmp, model, config.model)
+        if state is not None:
+            known.update(write_state(tmp, state))
         tokenizer.save(tmp)
         (tmp / RUN_CONFIG).write_text(to_toml(config), encoding="utf-8")
         files = {}
@@ -210,9 +216,16 @@ class CheckpointWriter:
                 scatter(self.setup.plan, p, params, values)
         return self.model
 
-    def write(self, model: nn.Module, tokens: int, eval_loss: float | None = None) -> Path:
-        """Write ``model`` (the global model at ``tokens``) as step-N; evaluate it first
-        unless its ``eval_loss`` is known."""
+    def write(
+        self,
+        model: nn.Module,
+        tokens: int,
+        eval_loss: float | None = None,
+        state: ResumeState | None = None,
+    ) -> Path:
+        """Write ``model`` (the global model at ``tokens``) as step-N, with the simulated
+        clock's resume ``state`` if given; evaluate it first unless its ``eval_loss`` is
+        known."""
         started = time.perf_counter()
         if eval_loss is None:
             eval_loss = evaluate(model, self.setup.eval_batches)
@@ -228,6 +241,7 @@ class CheckpointWriter:
             step=step,
             tokens=tokens,
             eval_loss=eval_loss,
+            state=state,
         )
         self.next = self._after(tokens)
         self.last = path
@@ -240,8 +254,9 @@ class CheckpointWriter:
         fragments: Sequence[Sequence[torch.Tensor]],
         tokens: int,
         eval_loss: float | None = None,
+        state: ResumeState | None = None,
     ) -> Path:
-        return self.write(self.staged(fragments), tokens, eval_loss)
+        return self.write(self.staged(fragments), tokens, eval_loss, state)
 
     def submit(self, fragments: Sequence[Sequence[torch.Tensor]], tokens: int) -> bool:
         """Copy ``fragments`` now (between two merges) and write them on a thread; False if

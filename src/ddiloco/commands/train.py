@@ -41,10 +41,11 @@ from ddiloco.report.plots import plot_run
 from ddiloco.report.summary import add_equal_time
 from ddiloco.report.text import human_bytes, table
 from ddiloco.runtime.contract import assemble, check_contract
-from ddiloco.runtime.resume import last_time, refuse_reuse, resumed_config
+from ddiloco.runtime.resume import end_line, last_time, refuse_reuse, resumed_config
 from ddiloco.runtime.run import RunSetup
 from ddiloco.runtime.sim.data_parallel import DataParallelSim
 from ddiloco.runtime.sim.engine import FragmentSim
+from ddiloco.runtime.sim.restart import Resume, find_resume
 
 if TYPE_CHECKING:
     from ddiloco.runtime.processes.launcher.data_parallel import DataParallelJob
@@ -68,8 +69,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--resume",
         metavar="RUN",
-        help="continue a stopped or crashed processes run in its directory (its own config; "
-        "--set may change the budget, the eval and checkpoint cadence, processes.*)",
+        help="continue a stopped or crashed run in its directory (its own config; --set may "
+        "change the budget, the eval and checkpoint cadence, processes.*); on the simulated "
+        "clock each unfinished method restarts from its newest checkpoint",
     )
     parser.add_argument(
         "--runtime",
@@ -134,7 +136,7 @@ def train(
     config: RunConfig, out: Path, quiet: bool = False, resume: bool = False
 ) -> list[dict[str, Any]]:
     """Run every method of ``config``; write config, chaos plan, metrics, summary, plots.
-    ``resume``: continue the processes run in ``out`` (:mod:`ddiloco.runtime.resume`)."""
+    ``resume``: continue the run in ``out`` (:mod:`ddiloco.runtime.resume`)."""
     torch.set_num_threads(max(1, min(torch.get_num_threads(), 2)))
     processes = config.runtime == "processes"
     if processes:  # refuse what cannot train before any process starts (or crash-loops)
@@ -156,6 +158,10 @@ def train(
     if not processes:  # each process splits the corpus on its own
         splits, evals = setup.splits, setup.eval_batches  # split once, for every method
         del setup  # the contract's model: every method builds its own
+    # a simulated run resumes each method from its newest checkpoint, all checked first
+    restarts = sim_restarts(config, out) if resume and not processes else {}
+    if resume:
+        end_line(out)
     metrics = MetricsWriter(out / "metrics.jsonl", append=resume)
     progress = Progress(config.train.tokens, quiet=quiet)
     summaries = []
@@ -174,6 +180,12 @@ def train(
                 job = process_job(config, method, out, emit, resume, t0)
                 with stopping_on_signals(job):
                     summary = job.run()
+            elif resume:
+                restart = restarts[method]
+                note = restart.note(out) if restart else dict(FROM_SCRATCH)
+                emit({"kind": "resume", **note})
+                summary = run_method(config, method, splits, evals, emit, out, restart)
+                summary["resumed_from"] = note
             else:
                 summary = run_method(config, method, splits, evals, emit, out)
             summary["wall_seconds"] = time.monotonic() - started
@@ -269,23 +281,58 @@ def run_method(
     evals: list[tuple[torch.Tensor, torch.Tensor]],
     emit: Callable[[dict[str, Any]], None],
     out: Path | None = None,
+    resume: Resume | None = None,
 ) -> dict[str, Any]:
-    """One method on the simulated clock (writing its checkpoints into run ``out``)."""
+    """One method on the simulated clock (writing its checkpoints into run ``out``), from
+    the start or from the checkpoint ``resume``."""
     setup = RunSetup(config, method, splits_given=splits, evals_given=evals)
-    writer = CheckpointWriter(setup, out) if out is not None else None
+    writer = None
+    if out is not None:
+        writer = CheckpointWriter(
+            setup, out, tokens=int(resume.manifest["tokens"]) if resume else 0
+        )
+        writer.last = resume.checkpoint if resume else None
     if setup.method.fragments:
-        return FragmentSim(setup, emit, writer).run()
-    return DataParallelSim(setup, emit, writer).run()
+        return FragmentSim(setup, emit, writer, resume).run()
+    return DataParallelSim(setup, emit, writer, resume).run()
+
+
+# the resume record and summary note of a method that had no checkpoint to resume from
+FROM_SCRATCH = {"checkpoint": None, "step": 0, "tokens": 0, "t": 0.0, "finished": False}
+
+
+def sim_restarts(config: RunConfig, out: Path) -> dict[str, Resume | None]:
+    """Every method's checkpoint to resume from (checked), saying for each what happens."""
+    plan = load_plan(out / "chaos_plan.json") if (out / "chaos_plan.json").is_file() else ()
+    found = {m: find_resume(out, config, m, plan) for m in config.methods}
+    for method, r in found.items():
+        if r is None:
+            print(f"{method}: no checkpoint to resume from: it starts from the beginning")
+        elif r.finished:
+            print(f"{method}: finished ({r.where(out)}): not run again")
+        else:
+            print(
+                f"{method}: resuming from {r.where(out)} ({r.tokens:,} tokens, "
+                f"t={r.t:.1f} virtual s); not bit for bit the uninterrupted run"
+            )
+    return found
 
 
 def eval_curves(path: Path) -> dict[str, list[tuple[float, float]]]:
     """Each method's (time, eval loss) evaluations, from a run's metrics (a resumed run's
-    earlier launches included)."""
+    earlier launches included; on the simulated clock, a method's evaluations after the
+    time it resumed from are the abandoned launch's, and left out)."""
     curves: dict[str, list[tuple[float, float]]] = {}
     with open(path, encoding="utf-8") as f:
         for line in f:
-            r = json.loads(line)
-            if r.get("kind") == "eval" and "t" in r:
+            try:
+                r = json.loads(line)
+            except ValueError:  # a line cut by a crash (a resumed run's earlier launch)
+                continue
+            if r.get("kind") == "resume" and "t" in r:
+                kept = [p for p in curves.get(r["method"], []) if p[0] <= float(r["t"])]
+                curves[r["method"]] = kept
+            elif r.get("kind") == "eval" and "t" in r:
                 curves.setdefault(r["method"], []).append((float(r["t"]), float(r["loss"])))
     return curves
 
@@ -334,11 +381,26 @@ def render(summaries: list[dict[str, Any]]) -> str:
         " finished, between evaluations)"
     )
     for s in summaries:
+        if s.get("resumed_from"):
+            text += f"\n{s['method']} {resumed_line(s['resumed_from'])}"
+    for s in summaries:
         if s["tokens_wasted"]:
             text += f"\n{s['method']} wasted tokens by reason: " + json.dumps(
                 {k: round(v) for k, v in s["tokens_wasted"].items()}
             )
     return text
+
+
+def resumed_line(note: dict[str, Any]) -> str:
+    """How a method of a resumed simulated run got where it is, for the final table."""
+    if note["checkpoint"] is None:
+        return "had no checkpoint to resume from: trained from the beginning"
+    if note["finished"]:
+        return f"had finished ({note['checkpoint']}): not run again"
+    return (
+        f"resumed from {note['checkpoint']} ({note['tokens']:,} tokens, t={note['t']:.1f}): "
+        "not bit for bit the uninterrupted run"
+    )
 
 
 def models(summaries: list[dict[str, Any]], out: Path) -> str:

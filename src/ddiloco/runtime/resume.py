@@ -5,13 +5,41 @@ does not change what was trained: the budget (``train.tokens``, ``train.max_virt
 evaluation and checkpoint cadence, and how processes are supervised (``processes.*`` except
 ``processes.ranks``). A change to anything else (the model, the data, the methods, the seed,
 the fragment plan, the learners) is refused naming the key: the saved states would not fit it.
+``metrics.jsonl`` is appended to, never truncated.
 
 Under ``--runtime processes`` the syncer continues from its durable store and each learner
 from its newest local checkpoint (else a healthy peer, else the global fragments); the data-
 parallel baseline from its newest rollback checkpoint. Event times continue from the last
-record of ``metrics.jsonl``, which is appended to. The chaos plan is not played again (its
-times are the first launch's). The simulated clock does not resume: it is deterministic, so
-the same config and seed run it again to the same result.
+record of ``metrics.jsonl``. The chaos plan is not played again (its times are the first
+launch's).
+
+On the simulated clock each method restarts from its newest checkpoint
+(``RUN/checkpoints[/<method>]/step-N``, :mod:`ddiloco.runtime.sim.restart`): every file is
+checked first, and a damaged one (or one without the resume state this build writes) is
+refused naming the file, with the older checkpoint to fall back on by removing it; nothing is
+skipped silently. A method whose newest checkpoint is its final one at the budget is not run
+again (its summary is rebuilt from that checkpoint); one with no checkpoint starts from the
+beginning, saying so. A ``resume`` record (checkpoint, step, tokens, virtual time) starts each
+method's records of the resumed launch, and its summary has ``resumed_from``.
+
+What a simulated resume restores: the global model (the syncer's fragments), the outer
+optimizers' momentum, the round counters (fragment versions, round ids, the global step, the
+grace-window averages, the outlier norm windows), the token ledger, the step-time generator,
+the run's totals (tokens, bytes, idle, down and up time) and the virtual time, all as they were
+at the checkpoint; the budget counts the tokens trained by then. Every learner present then
+starts from the global model, as after a recovery from the syncer's fragments, at its own step,
+learning-rate step and data position. What is lost, so a resumed run is *not* bit for bit the
+uninterrupted one (same config and seed: the same resumed run, though): each learner's local
+progress since its last merged fragment and the answers in flight (wasted as ``resumed`` in the
+ledger), the learners' inner optimizer state (AdamW moments: fresh), the rounds open at the
+checkpoint (their fragments are asked again at their next due step), the queues on the links,
+and whatever a crash, freeze, preemption or join had left in progress (every allocated learner
+is up at the checkpoint's time; a slowdown or link fault still in effect is struck again for
+the rest of its duration, and every later event of ``chaos_plan.json`` strikes on time).
+Data-parallel keeps its model, step, data position and totals (AdamW: fresh; elastic: a
+replica on its way back is live at once). The abandoned launch's work after the checkpoint is
+not counted anywhere: its records stay in ``metrics.jsonl`` (before the ``resume`` record),
+and the equal-time comparison leaves its evaluations out.
 """
 
 from __future__ import annotations
@@ -51,16 +79,11 @@ def resumed_config(run: Path, overrides: list[str]) -> RunConfig:
         raise ConfigError("--resume", str(run), f"no {CONFIG}: not a ddiloco run directory")
     before = load_config(path)
     after = load_config(path, overrides)
-    if before.runtime != "processes":
-        why = (
-            "the simulated clock does not resume: it is deterministic, so run the same "
-            "config and seed again (it gives the same run)"
-        )
-        raise ConfigError("--resume", str(run), why)
     for key, old, new in _changes(before, after):
         if not _changeable(key):
             raise ConfigError(key, new, f"cannot change on resume (the run has {old!r})")
-    # the plan's times are the first launch's: a resume plays no chaos
+    # processes: the plan's times are the first launch's, a resume plays no chaos; the
+    # simulated clock replays the rest of its chaos_plan.json (ddiloco.runtime.sim.restart)
     return dataclasses.replace(after, chaos=(), chaos_gen=ChaosGenerators(), chaos_plan="")
 
 
@@ -80,6 +103,21 @@ def last_time(run: Path) -> float:
             if isinstance(t, int | float):
                 last = max(last, float(t))
     return last
+
+
+def end_line(run: Path) -> None:
+    """Before a resumed run appends to ``metrics.jsonl``: a last line cut by the crash is
+    ended, so the first new record starts a line of its own (the cut one is kept as it is,
+    and readers skip it)."""
+    path = run / METRICS
+    if not path.is_file() or path.stat().st_size == 0:
+        return
+    with path.open("rb") as f:
+        f.seek(-1, 2)
+        if f.read(1) == b"\n":
+            return
+    with path.open("ab") as f:
+        f.write(b"\n")
 
 
 def refuse_reuse(out: Path) -> None:

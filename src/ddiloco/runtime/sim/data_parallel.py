@@ -8,7 +8,8 @@ Under the same chaos plan as the fragment-sync methods:
   losing the steps since.
 - ``elastic_dp``: a crash pauses everyone ``data_parallel.reconfigure_seconds``, then the job
   continues without that replica; its return (or a join) pauses everyone again to scale back up.
-A frozen replica stalls everyone (the all-reduce waits for it).
+A frozen replica stalls everyone (the all-reduce waits for it). Given a
+:class:`~ddiloco.runtime.sim.restart.Resume`, the job continues from that checkpoint.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from ddiloco.data.info import bits_per_byte
 from ddiloco.data.shards import concatenated
 from ddiloco.report.summary import summary
 from ddiloco.runtime.run import RunSetup
+from ddiloco.runtime.sim.restart import Resume, dp_state, restore_dp
 from ddiloco.runtime.sim.world import Network, StepTimes
 from ddiloco.trainer import Trainer, evaluate
 
@@ -33,17 +35,20 @@ if TYPE_CHECKING:
 
 class DataParallelSim:
     """One data-parallel run, elastic or not; with ``checkpoints``, writes the model every
-    ``train.checkpoint_every`` tokens it holds (rolled-back steps not counted) and at the end."""
+    ``train.checkpoint_every`` tokens it holds (rolled-back steps not counted) and at the end;
+    with ``resume``, continues from that checkpoint."""
 
     def __init__(
         self,
         setup: RunSetup,
         emit: Callable[[dict[str, Any]], None],
         checkpoints: CheckpointWriter | None = None,
+        resume: Resume | None = None,
     ) -> None:
         config = setup.config
         self.config = config
         self.checkpoints = checkpoints
+        self.resume = resume
         self.method = setup.method
         self.elastic = setup.method.elastic
         self.emit = emit
@@ -90,11 +95,18 @@ class DataParallelSim:
     def run(self) -> dict[str, Any]:
         t = self.config.train
         dp = self.config.data_parallel
-        events = sorted(self.config.chaos, key=lambda e: e.at)
+        resume = self.resume
+        chaos = self.config.chaos if resume is None else resume.chaos
+        events = sorted(chaos, key=lambda e: e.at)
         returns: list[tuple[float, int]] = []  # (time, replica) coming back
-        self._eval()
         next_eval = t.eval_every
         steps = 0
+        if resume is not None:
+            restore_dp(self, resume)
+            if resume.finished:  # its summary, as the run that wrote it made it
+                return self._summary(resume.eval_loss)
+            next_eval, steps = int(resume.values["next_eval"]), int(resume.values["steps"])
+        self._eval()
         while self.tokens < t.tokens and not (
             t.max_virtual_seconds and self.now >= t.max_virtual_seconds
         ):
@@ -126,10 +138,12 @@ class DataParallelSim:
                 next_eval = self.tokens + t.eval_every
             kept, writer = self.tokens - self.wasted, self.checkpoints
             if writer is not None and self.tokens < t.tokens and writer.due(kept):
-                writer.write(self.trainer.model, kept, evaluated)
+                state = dp_state(self, steps, next_eval, returns)
+                writer.write(self.trainer.model, kept, evaluated, state)
         final = self._eval()
         if self.checkpoints is not None:  # the model a user takes home
-            self.checkpoints.write(self.trainer.model, self.tokens - self.wasted, final)
+            state = dp_state(self, steps, next_eval, returns, final=True)
+            self.checkpoints.write(self.trainer.model, self.tokens - self.wasted, final, state)
         return self._summary(final)
 
     def _fault(self, event: ChaosEvent, returns: list[tuple[float, int]]) -> None:

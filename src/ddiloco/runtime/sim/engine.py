@@ -7,7 +7,8 @@ merged fragments). Every rule comes from the core (the step boundary, ``LearnerS
 step ends after the hardware model's step time, a message arrives after the network model's
 transfer time, a fault strikes when the chaos plan says (:mod:`ddiloco.runtime.sim.faults`).
 Payloads really are encoded and decoded, so bytes and quantization error are real. Same
-config and seed, same run, bit for bit.
+config and seed, same run, bit for bit. Given a :class:`~ddiloco.runtime.sim.restart.Resume`,
+the run continues from that checkpoint instead (not bit for bit: :mod:`ddiloco.runtime.resume`).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from ddiloco.runtime.sim.accounting import summarize
 from ddiloco.runtime.sim.clock import EventQueue
 from ddiloco.runtime.sim.faults import Faults
 from ddiloco.runtime.sim.node import Node, NodeState
+from ddiloco.runtime.sim.restart import Resume, fragment_state, restore_fragments
 from ddiloco.runtime.sim.world import Network, StepTimes
 from ddiloco.trainer import Trainer
 
@@ -44,17 +46,20 @@ SYNCER_BYTES_PER_SECOND = 2e9
 
 class FragmentSim:
     """Runs one fragment-synchronized experiment on the virtual clock; with ``checkpoints``,
-    writes the global model every ``train.checkpoint_every`` tokens and at the end."""
+    writes the global model (and its resume state) every ``train.checkpoint_every`` tokens
+    and at the end; with ``resume``, continues from that checkpoint."""
 
     def __init__(
         self,
         setup: RunSetup,
         emit: Callable[[dict[str, Any]], None],
         checkpoints: CheckpointWriter | None = None,
+        resume: Resume | None = None,
     ) -> None:
         config = setup.config
         self.setup = setup
         self.checkpoints = checkpoints
+        self.resume = resume
         self.config = config
         self.method = setup.method
         self.sync = setup.method.sync
@@ -107,13 +112,21 @@ class FragmentSim:
 
     # -- the run ----------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
+        chaos = self.config.chaos
+        if self.resume is not None:
+            restore_fragments(self, self.resume)
+            if self.resume.finished:  # its summary, as the run that wrote it made it
+                return summarize(self, self.resume.eval_loss)
+            chaos = self.resume.chaos
         self.evaluate()
+        if self.resume is not None:
+            self.next_eval = int(self.resume.values["next_eval"])
         for node in self.nodes:
             if node.up:
-                self.clock.at(
+                self.clock.after(
                     self.step_times.sample(node.id), self.step_done, node.id, node.incarnation
                 )
-        for event in self.config.chaos:
+        for event in chaos:
             self.clock.at(event.at, self.faults.strike, event)
         while not self.finished and self.clock.step():
             pass
@@ -124,7 +137,8 @@ class FragmentSim:
         self.ledger.close()
         final = self.evaluate()
         if self.checkpoints is not None:  # the model a user takes home
-            self.checkpoints.write_fragments(self.syncer.fragments, self.tokens, final)
+            state = fragment_state(self, final=True)
+            self.checkpoints.write_fragments(self.syncer.fragments, self.tokens, final, state)
         return summarize(self, final)
 
     # -- learners ---------------------------------------------------------------------------
@@ -149,7 +163,8 @@ class FragmentSim:
             self.finished = True
             return
         if self.checkpoints is not None and self.checkpoints.due(self.tokens):
-            self.checkpoints.write_fragments(self.syncer.fragments, self.tokens, evaluated)
+            state = fragment_state(self)
+            self.checkpoints.write_fragments(self.syncer.fragments, self.tokens, evaluated, state)
         self.continue_or_wait(node)
 
     def send_progress(self, node: Node) -> None:
