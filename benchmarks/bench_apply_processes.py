@@ -5,7 +5,9 @@ answer and the merged fragment's arrival; on real processes that round trip is l
 tau steps. This runs the same Decoupled DiLoCo job (4 learner processes and a syncer on
 loopback, gpt-1m at context 64, batch 8, P = H = 24, tau = 2) once per ``sync.apply`` rule
 and prints, per rule: token efficiency (tokens merged / trained), the overwritten share,
-eval loss at equal tokens, wall seconds, and each rule's efficiency over overwrite's.
+eval loss at equal tokens and at equal time (at the wall second the fastest rule's final
+evaluation came, since its launch, linear between two evaluations), wall seconds, and each
+rule's efficiency over overwrite's.
 
     .venv/bin/python benchmarks/bench_apply_processes.py [--tokens 786432] [--rules ...]
 
@@ -20,8 +22,9 @@ import json
 import time
 from pathlib import Path
 
-from ddiloco.commands.train import train
+from ddiloco.commands.train import eval_curves, train
 from ddiloco.config import load_config
+from ddiloco.report.summary import loss_at
 
 CONFIG = [
     "model='gpt-1m'",
@@ -60,22 +63,29 @@ def main() -> None:
         (s,) = train(load_config(None, overrides), directory, quiet=True)
         seconds = time.monotonic() - started
         overwritten = s["tokens_wasted"].get("overwritten", 0.0) / max(s["tokens"], 1)
-        rows.append((rule, s, overwritten, seconds))
+        (curve,) = eval_curves(directory / "metrics.jsonl").values()
+        rows.append((rule, s, overwritten, seconds, curve))
         print(
             f"  {rule:<9} efficiency {s['token_efficiency']:.3f}  overwritten {overwritten:.1%}"
             f"  eval loss {s['eval_loss']:.4f}  {seconds:.0f} s  ({directory})",
             flush=True,
         )
-    base = next((s["token_efficiency"] for r, s, _, _ in rows if r == "overwrite"), None)
-    print("\n| rule | token efficiency | vs overwrite | overwritten | eval loss | wall s |")
-    print("|---|---|---|---|---|---|")
-    for rule, s, overwritten, seconds in rows:
+    base = next((s["token_efficiency"] for r, s, *_ in rows if r == "overwrite"), None)
+    horizon = min(curve[-1][0] for *_, curve in rows)
+    print(f"\n(equal time: {horizon:.1f} s after each launch)")
+    print(
+        "| rule | token efficiency | vs overwrite | overwritten | eval loss | "
+        "eval loss at equal time | wall s |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for rule, s, overwritten, seconds, curve in rows:
         ratio = f"{s['token_efficiency'] / base:.3f}" if base else "-"
+        at = loss_at(curve, horizon)
         print(
             f"| {rule} | {s['token_efficiency']:.3f} | {ratio} | {overwritten:.1%} | "
-            f"{s['eval_loss']:.4f} | {seconds:.0f} |"
+            f"{s['eval_loss']:.4f} | {'-' if at is None else f'{at:.4f}'} | {seconds:.0f} |"
         )
-    print(json.dumps({r: s["tokens_wasted"] for r, s, _, _ in rows}))
+    print(json.dumps({r: s["tokens_wasted"] for r, s, *_ in rows}))
 
 
 if __name__ == "__main__":

@@ -12,9 +12,9 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import pytest
+from rundir import argv, records
 
 from ddiloco.cli import main
 
@@ -34,18 +34,6 @@ SETS = [
     "processes.detect_seconds=3.0",
     "processes.max_wall_seconds=120",
 ]
-
-
-def argv(*sets: str) -> list[str]:
-    out: list[str] = []
-    for item in sets:
-        out += ["--set", item]
-    return out
-
-
-def records(run: Path) -> list[dict[str, Any]]:
-    lines = (run / "metrics.jsonl").read_text(encoding="utf-8").splitlines()
-    return [json.loads(line) for line in lines if line.strip()]
 
 
 def saves(run: Path) -> dict[int, int]:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from rundir import argv, records
 
 from ddiloco.chaos.plan import ChaosEvent
 from ddiloco.checkpoints.format import steps_in
@@ -35,18 +36,6 @@ SETS = [
     "sync.sync_every=3",
     "data.eval_batches=1",
 ]
-
-
-def argv(*sets: str) -> list[str]:
-    out: list[str] = []
-    for item in sets:
-        out += ["--set", item]
-    return out
-
-
-def records(run: Path) -> list[dict[str, Any]]:
-    lines = (run / "metrics.jsonl").read_text(encoding="utf-8").splitlines()
-    return [json.loads(line) for line in lines if line.strip()]
 
 
 def manifest(checkpoint: Path) -> dict[str, Any]:

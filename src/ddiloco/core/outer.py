@@ -34,6 +34,7 @@ import torch
 from ddiloco.errors import ConfigError, require
 
 OUTER_OPTIMIZERS = ("nesterov", "sgd", "delayed_nesterov")
+Tensors = Sequence[torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -73,11 +74,7 @@ class OuterOptimizer(Protocol):
     """
 
     def step(
-        self,
-        params: Sequence[torch.Tensor],
-        grads: Sequence[torch.Tensor],
-        scale: float = 1.0,
-        fraction: float = 1.0,
+        self, params: Tensors, grads: Tensors, scale: float = 1.0, fraction: float = 1.0
     ) -> None: ...
 
     def state_dict(self) -> dict[str, Any]: ...
@@ -85,9 +82,7 @@ class OuterOptimizer(Protocol):
     def load_state_dict(self, state: dict[str, Any]) -> None: ...
 
 
-def _check(
-    params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], scale: float, fraction: float
-) -> None:
+def _check(params: Tensors, grads: Tensors, scale: float, fraction: float) -> None:
     """One outer gradient per parameter, of its shape; fp32 parameters; a sane scale and
     fraction."""
     if not (math.isfinite(scale) and scale > 0.0):
@@ -112,11 +107,7 @@ class PlainSGD:
 
     @torch.no_grad()
     def step(
-        self,
-        params: Sequence[torch.Tensor],
-        grads: Sequence[torch.Tensor],
-        scale: float = 1.0,
-        fraction: float = 1.0,
+        self, params: Tensors, grads: Tensors, scale: float = 1.0, fraction: float = 1.0
     ) -> None:
         _check(params, grads, scale, fraction)  # (no momentum: scale and fraction do nothing)
         for p, g in zip(params, grads, strict=True):
@@ -144,11 +135,7 @@ class NesterovSGD:
 
     @torch.no_grad()
     def step(
-        self,
-        params: Sequence[torch.Tensor],
-        grads: Sequence[torch.Tensor],
-        scale: float = 1.0,
-        fraction: float = 1.0,
+        self, params: Tensors, grads: Tensors, scale: float = 1.0, fraction: float = 1.0
     ) -> None:
         _check(params, grads, scale, fraction)
         # (x * 1.0 and x / 1.0 are exact, and mu ** 1.0 is mu: s = f = 1 is plain Nesterov)
@@ -195,11 +182,7 @@ class DelayedNesterov:
 
     @torch.no_grad()
     def step(
-        self,
-        params: Sequence[torch.Tensor],
-        grads: Sequence[torch.Tensor],
-        scale: float = 1.0,
-        fraction: float = 1.0,
+        self, params: Tensors, grads: Tensors, scale: float = 1.0, fraction: float = 1.0
     ) -> None:
         _check(params, grads, scale, fraction)  # (its refresh every N updates ignores fraction)
         if self.pending is None:

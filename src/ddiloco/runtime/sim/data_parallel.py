@@ -15,7 +15,6 @@ A frozen replica stalls everyone (the all-reduce waits for it). Given a
 from __future__ import annotations
 
 import copy
-import random
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -26,14 +25,14 @@ from ddiloco.data.shards import concatenated
 from ddiloco.report.summary import summary
 from ddiloco.runtime.run import RunSetup
 from ddiloco.runtime.sim.restart import Resume, dp_state, restore_dp
-from ddiloco.runtime.sim.world import Network, StepTimes
+from ddiloco.runtime.sim.run import SimRun
 from ddiloco.trainer import Trainer, evaluate
 
 if TYPE_CHECKING:
     from ddiloco.checkpoints.write import CheckpointWriter
 
 
-class DataParallelSim:
+class DataParallelSim(SimRun):
     """One data-parallel run, elastic or not; with ``checkpoints``, writes the model every
     ``train.checkpoint_every`` tokens it holds (rolled-back steps not counted) and at the end;
     with ``resume``, continues from that checkpoint."""
@@ -45,13 +44,9 @@ class DataParallelSim:
         checkpoints: CheckpointWriter | None = None,
         resume: Resume | None = None,
     ) -> None:
+        super().__init__(setup, emit, checkpoints, resume)
         config = setup.config
-        self.config = config
-        self.checkpoints = checkpoints
-        self.resume = resume
-        self.method = setup.method
         self.elastic = setup.method.elastic
-        self.emit = emit
         self.eval_batches = setup.eval_batches
         t = config.train
         model = setup.model  # Theta_0; the job trains it
@@ -59,9 +54,6 @@ class DataParallelSim:
         shards = concatenated(setup.splits.shards)  # every shard end to end, as a view
         stream = BatchStream(shards, t.batch_size, self.seq_len, config.seed)
         self.trainer = Trainer(model, stream, t, max(1, setup.steps_each))
-        slots = t.learners + t.scavenged
-        self.step_times = StepTimes(config.hardware, slots, random.Random(config.seed))
-        self.network = Network(config.network)
         self.grad_bytes = sum(p.numel() * 4 for p in model.parameters())
         self.live = set(range(t.learners))
         self.now = 0.0

@@ -13,7 +13,6 @@ the run continues from that checkpoint instead (not bit for bit: :mod:`ddiloco.r
 
 from __future__ import annotations
 
-import random
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -34,7 +33,7 @@ from ddiloco.runtime.sim.clock import EventQueue
 from ddiloco.runtime.sim.faults import Faults
 from ddiloco.runtime.sim.node import Node, NodeState
 from ddiloco.runtime.sim.restart import Resume, fragment_state, restore_fragments
-from ddiloco.runtime.sim.world import Network, StepTimes
+from ddiloco.runtime.sim.run import SimRun
 from ddiloco.trainer import Trainer
 
 if TYPE_CHECKING:
@@ -44,7 +43,7 @@ if TYPE_CHECKING:
 SYNCER_BYTES_PER_SECOND = 2e9
 
 
-class FragmentSim:
+class FragmentSim(SimRun):
     """Runs one fragment-synchronized experiment on the virtual clock; with ``checkpoints``,
     writes the global model (and its resume state) every ``train.checkpoint_every`` tokens
     and at the end; with ``resume``, continues from that checkpoint."""
@@ -56,18 +55,11 @@ class FragmentSim:
         checkpoints: CheckpointWriter | None = None,
         resume: Resume | None = None,
     ) -> None:
+        super().__init__(setup, emit, checkpoints, resume)
         config = setup.config
-        self.setup = setup
-        self.checkpoints = checkpoints
-        self.resume = resume
-        self.config = config
-        self.method = setup.method
         self.sync = setup.method.sync
-        self.emit = emit
         self.clock = EventQueue()
         slots = setup.slots
-        self.step_times = StepTimes(config.hardware, slots, random.Random(config.seed))
-        self.network = Network(config.network)
         self.plan = setup.plan
         self.ledger = TokenLedger(self.plan.num_fragments, carry=self.sync.apply == "carry")
         self.syncer = SyncerState(
