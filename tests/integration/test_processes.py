@@ -65,7 +65,11 @@ def test_a_processes_run_writes_the_same_run_directory_as_the_simulated_clock(tm
     # a loaded CI run); an untrained or diverged model stays at or above the start
     assert min(evals[1:]) < evals[0] - 0.5
     assert evals[-1] < evals[0] - 1.0  # and the model it hands back did not diverge at the end
-    assert {r["learner"] for r in records if r["kind"] == "step"} == {0, 1}
+    # which learners stepped: 12K tokens are ~1 s of training, and on a loaded box one learner
+    # may still be starting when the other has spent the budget (it then waits for a welcome,
+    # never trains alone: test_processes_attacks.py); both training is other tests' subject
+    stepped = {r["learner"] for r in records if r["kind"] == "step"}
+    assert stepped and stepped <= {0, 1}
 
 
 def test_the_final_rounds_merge_what_every_learner_trained_since_its_last_answers(tmp_path):

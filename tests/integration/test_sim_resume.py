@@ -179,6 +179,10 @@ def test_a_resume_that_changes_the_model_is_refused(finished, capsys):
     )
     assert main(["train", "--resume", str(finished), *argv("sync.fragments=2")]) == 2
     assert "cannot change on resume" in capsys.readouterr().err
+    # a chaos plan given on resume would not be played: refused, not ignored
+    chaos = "chaos=[{at=1.0, kind='crash', learner=0, duration=1.0}]"
+    assert main(["train", "--resume", str(finished), *argv(chaos)]) == 2
+    assert "a resume plays no new chaos" in capsys.readouterr().err
     assert (finished / "metrics.jsonl").read_bytes() == before
 
 

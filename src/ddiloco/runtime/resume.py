@@ -63,9 +63,12 @@ CHANGEABLE = (
     "train.checkpoint_every",
     "data.eval_batches",
     "name",
-    "chaos",
-    "chaos_gen",
-    "chaos_plan",
+)
+# a resume plays no chaos of its own: it would be ignored, so it is refused
+CHAOS_KEYS = ("chaos", "chaos_gen", "chaos_plan")
+CHAOS_WHY = (
+    "a resume plays no new chaos (processes: none, its plan's times were the first launch's; "
+    "simulated clock: the rest of the run's own chaos_plan.json); start a new run for another"
 )
 CHANGEABLE_TABLES = ("processes",)
 FIXED_IN_TABLES = ("processes.ranks",)
@@ -80,6 +83,8 @@ def resumed_config(run: Path, overrides: list[str]) -> RunConfig:
     before = load_config(path)
     after = load_config(path, overrides)
     for key, old, new in _changes(before, after):
+        if key in CHAOS_KEYS:
+            raise ConfigError(key, new, CHAOS_WHY)
         if not _changeable(key):
             raise ConfigError(key, new, f"cannot change on resume (the run has {old!r})")
     # processes: the plan's times are the first launch's, a resume plays no chaos; the
