@@ -16,9 +16,9 @@ $(BIN)/ddiloco: pyproject.toml
 
 install: $(BIN)/ddiloco
 
-# the optional extras the tests exercise (Hugging Face models, tokenizers, datasets)
-$(VENV)/.extras: $(BIN)/ddiloco
-	$(BIN)/pip install -q $(FIND_LINKS) -e '.[test,hf,data]'
+# the optional extras the tests exercise (Hugging Face models, tokenizers, datasets, Ray)
+$(VENV)/.extras: $(BIN)/ddiloco pyproject.toml
+	$(BIN)/pip install -q $(FIND_LINKS) -e '.[test,hf,data,ray]'
 	touch $@
 
 demo: install
@@ -29,7 +29,16 @@ lint: install
 	$(BIN)/ruff format --check src tests benchmarks
 	$(BIN)/mypy
 
-test: install $(VENV)/.extras lint
+# SLURM for the deploy tests' one-node cluster (Debian packages, as root; skipped elsewhere)
+$(VENV)/.slurm: $(BIN)/ddiloco
+	@if command -v slurmctld >/dev/null; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq slurm-wlm >/dev/null) \
+		|| echo "make: slurm-wlm could not be installed: the SLURM tests will be skipped"; \
+	else echo "make: no root or apt-get: the SLURM tests will be skipped"; fi
+	touch $@
+
+test: install $(VENV)/.extras $(VENV)/.slurm lint
 	$(BIN)/pytest
 
 bench: install

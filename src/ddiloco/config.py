@@ -59,6 +59,8 @@ class TrainConfig:
     eval_every: int = 100_000  # tokens between evaluations of the global model
     max_virtual_seconds: float = 0.0  # also stop at this virtual time (0: tokens only)
     device: str = "cpu"  # learners' device: cpu, cuda, cuda:N; the syncer stays on CPU
+    # GPUs one learner takes (0: auto, one per rank on CUDA); a learner never shares a device
+    gpus_per_learner: int = 0
     seq_len: int = 0  # tokens per training sequence (0: the model's context)
     grad_accum: int = 1  # micro-batches of batch_size per step (a step trains their sum)
     optimizer: str = "adamw"  # the inner optimizer: adamw, or sgd (momentum betas[0], Nesterov)
@@ -89,6 +91,12 @@ class TrainConfig:
         )
         require(self.checkpoint_every >= 0, "train.checkpoint_every", self.checkpoint_every, ">= 0")
         require(self.scavenged >= 0, "train.scavenged", self.scavenged, "must be >= 0")
+        require(
+            self.gpus_per_learner >= 0,
+            "train.gpus_per_learner",
+            self.gpus_per_learner,
+            "must be >= 0 (0: one per rank on CUDA)",
+        )
         require(
             self.max_virtual_seconds >= 0,
             "train.max_virtual_seconds",
@@ -249,6 +257,7 @@ class ProcessesConfig:
     """The real-processes runtime (``runtime = "processes"``): wall-clock seconds."""
 
     bind: str = "127.0.0.1:0"  # the syncer's HOST:PORT (port 0: a free one); loopback default
+    peer_port: int = 0  # each learner's peer-recovery TCP port (0: a free one; fixed: firewalls)
     restart: bool = True  # restart a learner process that dies (it recovers from a peer)
     restart_delay_seconds: float = 1.0
     detect_seconds: float = 5.0  # silence after which the syncer gives a learner up
@@ -256,6 +265,7 @@ class ProcessesConfig:
     max_wall_seconds: float = 3600.0  # the launcher stops everything after this
     proxy: str = ""  # faults between learners and syncer, e.g. "drop=0.02,corrupt=0.01"
     ranks: int = 1  # data-parallel ranks per learner (torchrun; only rank 0 talks)
+    threads: int = 1  # torch CPU threads of each learner process (each rank's)
     shared_memory: bool = True  # same-host fragments through /dev/shm (off behind a proxy)
     give_up_seconds: float = 60.0  # a learner that hears no syncer this long exits non-zero
     max_restarts: int = 5  # failed starts in a row of one process before the launcher gives up
@@ -268,6 +278,7 @@ class ProcessesConfig:
 
     def __post_init__(self) -> None:
         require(self.max_restarts >= 0, "processes.max_restarts", self.max_restarts, ">= 0")
+        require(0 <= self.peer_port <= 65535, "processes.peer_port", self.peer_port, "0..65535")
         for name in (
             "restart_delay_seconds",
             "detect_seconds",
@@ -278,6 +289,7 @@ class ProcessesConfig:
             value = getattr(self, name)
             require(value > 0, f"processes.{name}", value, "must be > 0")
         require(self.ranks >= 1, "processes.ranks", self.ranks, "must be >= 1")
+        require(self.threads >= 1, "processes.threads", self.threads, "must be >= 1")
         require(
             self.final_round_seconds >= 0,
             "processes.final_round_seconds",
@@ -292,7 +304,30 @@ class ProcessesConfig:
         )
 
 
-RUNTIMES = ("sim", "processes")
+@dataclass(frozen=True)
+class RayConfig:
+    """The Ray runtime (``runtime = "ray"``): the processes runtime's syncer and learners as
+    Ray actors on a cluster (docs/deploy.md)."""
+
+    address: str = ""  # a cluster to join ("" : $RAY_ADDRESS, else a local one for this run)
+    namespace: str = "ddiloco"  # the named actors' (the syncer is found by its name)
+    syncer_resource: str = "ddiloco_syncer"  # a node carrying it hosts the syncer ("": any)
+    syncer_cpus: float = 1.0
+    learner_cpus: float = 1.0  # reserved per learner actor (its threads: processes.threads)
+    place_seconds: float = 30.0  # an actor not placed this long is reported, again each time
+    # where the syncer binds and learners serve peer copies ("": each node's address as Ray
+    # knows it; 127.0.0.1 when the whole cluster is one machine; a local cluster's default)
+    service_host: str = ""
+
+    def __post_init__(self) -> None:
+        require(self.syncer_cpus >= 0, "ray.syncer_cpus", self.syncer_cpus, "must be >= 0")
+        require(self.learner_cpus >= 0, "ray.learner_cpus", self.learner_cpus, "must be >= 0")
+        require(self.place_seconds > 0, "ray.place_seconds", self.place_seconds, "must be > 0")
+        require(bool(self.namespace), "ray.namespace", self.namespace, "must not be empty")
+
+
+RUNTIMES = ("sim", "processes", "ray")
+WALL_CLOCK_RUNTIMES = ("processes", "ray")  # real processes, wall seconds
 
 
 @dataclass(frozen=True)
@@ -309,6 +344,7 @@ class RunConfig:
     network: NetworkConfig = field(default_factory=NetworkConfig)
     data_parallel: DataParallelConfig = field(default_factory=DataParallelConfig)
     processes: ProcessesConfig = field(default_factory=ProcessesConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
     chaos: tuple[ChaosEvent, ...] = ()  # explicit events
     chaos_gen: ChaosGenerators = field(default_factory=ChaosGenerators)
     chaos_plan: str = ""  # replay: a chaos_plan.json from an earlier run (generators off)

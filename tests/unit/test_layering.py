@@ -5,8 +5,9 @@
   ``ddiloco.kernels`` lazily, inside the function, to resolve a codec's backend choice
   (that import reads ``DDILOCO_NO_JIT`` and loads numba, so it must never run at import).
 * The core reads no environment variable and opens no file.
-* Runtimes (``ddiloco.runtime.sim``, ``.processes``, a future ``.ray``) never import each
-  other: what they share lives in the core or in ``ddiloco.runtime`` itself.
+* Runtimes (``ddiloco.runtime.sim``, ``.processes``) never import each other: what they
+  share lives in the core or in ``ddiloco.runtime`` itself. (Ray hosts the processes
+  runtime's services: it lives in ``.processes.ray``.)
 * ``ddiloco.cluster`` (the cluster simulator) never imports torch.
 
 Every import counts: at module level, under ``if TYPE_CHECKING:``, inside functions,
@@ -35,7 +36,9 @@ CORE_MUST_NOT_IMPORT = (
     "ddiloco.kernels",
 )
 LAZY_IN_CORE = ("ddiloco.kernels",)  # allowed inside a function body (see the docstring)
-RUNTIMES = ("sim", "processes", "ray")  # sibling runtimes: none imports another
+# sibling runtimes: none imports another. The Ray runtime is not one of them: it hosts the
+# processes runtime's services in Ray actors (ddiloco.runtime.processes.ray, decision 76)
+RUNTIMES = ("sim", "processes")
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,12 @@
 """``ddiloco learner``: one learner process of a real-processes run.
 
 Connects to the syncer (``--syncer HOST:PORT``), serves snapshots to newcomers on
-``--peer-host`` (a free port), and trains until the syncer says stop. ``--join`` first copies
-a healthy peer's state (a restart, or scavenged compute arriving at any time); ``--resume``
-starts from this learner's newest local checkpoint in ``--state-dir`` (a resumed run);
-``--leave-after SECONDS`` goes away cleanly (SIGTERM does too).
+``--peer-bind`` (default ``--peer-host``) port ``--peer-port`` (default the config's
+``processes.peer_port``, 0: a free one), tells peers to dial ``--peer-host``, and trains
+until the syncer says stop. ``--join`` first copies a healthy peer's state (a restart, or
+scavenged compute arriving at any time); ``--resume`` starts from this learner's newest local
+checkpoint in ``--state-dir`` (a resumed run); ``--leave-after SECONDS`` goes away cleanly
+(SIGTERM does too).
 """
 
 from __future__ import annotations
@@ -39,6 +41,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--peer-host", default="127.0.0.1", help="address peers reach this learner's snapshots on"
     )
+    parser.add_argument(
+        "--peer-port",
+        type=int,
+        default=None,
+        help="TCP port of the snapshots (default: the config's processes.peer_port; 0: any free)",
+    )
+    parser.add_argument(
+        "--peer-bind",
+        default=None,
+        help="interface the snapshots listen on, e.g. 0.0.0.0 (default: --peer-host)",
+    )
     parser.add_argument("--max-steps", type=int, default=0, help="stop after N steps (0: never)")
     parser.add_argument(
         "--state-dir",
@@ -58,13 +71,15 @@ def run(args: argparse.Namespace) -> int:
     from ddiloco.runtime.processes.learner.process import LearnerProcess
     from ddiloco.runtime.run import RunSetup
 
-    torch.set_num_threads(1)
     logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s learner {args.id} %(message)s")
     parse_address(args.syncer, "--syncer")
     config = load_config(args.config, list(args.set))
+    torch.set_num_threads(config.processes.threads)  # before the model and data are built
     setup = RunSetup(config, args.method)
     require(0 <= args.id < setup.slots, "--id", args.id, f"slots are 0..{setup.slots - 1}")
     require(args.leave_after >= 0, "--leave-after", args.leave_after, "must be >= 0")
+    peer_port = config.processes.peer_port if args.peer_port is None else args.peer_port
+    require(0 <= peer_port <= 65535, "--peer-port", peer_port, "must be in 0..65535 (0: any)")
     events = Events(args.t0 if args.t0 is not None else time.time())
     process = LearnerProcess(
         setup,
@@ -76,6 +91,8 @@ def run(args: argparse.Namespace) -> int:
         join=args.join,
         leave_after=args.leave_after,
         peer_host=args.peer_host,
+        peer_port=peer_port,
+        peer_bind=args.peer_bind,
         max_steps=args.max_steps,
         state_dir=Path(args.state_dir or f"runs/{config.name}-learner-{args.id}"),
         resume=args.resume,

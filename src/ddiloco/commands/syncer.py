@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import signal
 import threading
 import time
 from pathlib import Path
@@ -55,8 +54,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ddiloco.runtime.processes.terminate import on_terminate
+
     stop = threading.Event()  # SIGTERM ends the run cleanly, with a summary
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    on_terminate(stop.set)
     import torch
 
     from ddiloco.runtime.processes.syncer.service import SyncerService

@@ -32,7 +32,7 @@ import torch
 from ddiloco.chaos.plan import ChaosEvent, ChaosGenerators, expand, load_plan, to_json
 from ddiloco.checkpoints.write import CheckpointWriter
 from ddiloco.commands import add_config_arguments
-from ddiloco.config import RunConfig, load_config, to_toml
+from ddiloco.config import RUNTIMES, WALL_CLOCK_RUNTIMES, RunConfig, load_config, to_toml
 from ddiloco.data.corpus import TokenSplits
 from ddiloco.errors import ConfigError
 from ddiloco.methods import method_for
@@ -54,6 +54,7 @@ if TYPE_CHECKING:
 # What --runtime processes runs: every fragment method (syncer + learner processes) and the
 # data-parallel baseline (torchrun DDP); elastic_dp only on the simulated clock.
 PROCESS_METHODS = ("decoupled", "decoupled_sync", "streaming", "diloco", "data_parallel")
+RAY_METHODS = PROCESS_METHODS[:-1]  # the fragment methods (no data-parallel job on Ray yet)
 
 DEMO_CHAOS = (
     ChaosEvent(at=60.0, kind="crash", learner=1, duration=40.0),
@@ -75,8 +76,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--runtime",
-        choices=("sim", "processes"),
-        help="sim: simulated clock; processes: a syncer and learners as OS processes",
+        choices=RUNTIMES,
+        help="sim: simulated clock; processes: a syncer and learners as OS processes on this "
+        "host; ray: the same as Ray actors on a cluster (ray.address, else a local one)",
     )
 
 
@@ -89,14 +91,15 @@ def resolve(args: argparse.Namespace) -> RunConfig:
         config = dataclasses.replace(config, seed=args.seed)
     if getattr(args, "runtime", None):
         config = dataclasses.replace(config, runtime=args.runtime)
-    if config.runtime == "processes":
-        kept = tuple(m for m in config.methods if m in PROCESS_METHODS)
+    if config.runtime in WALL_CLOCK_RUNTIMES:
+        runnable = PROCESS_METHODS if config.runtime == "processes" else RAY_METHODS
+        kept = tuple(m for m in config.methods if m in runnable)
         if kept != config.methods:
             print(
-                f"runtime processes: running {kept or PROCESS_METHODS[:1]}; the other methods "
+                f"runtime {config.runtime}: running {kept or runnable[:1]}; the other methods "
                 "run on the simulated clock (--runtime sim), compare with ddiloco compare"
             )
-        config = dataclasses.replace(config, methods=kept or PROCESS_METHODS[:1])
+        config = dataclasses.replace(config, methods=kept or runnable[:1])
     return config
 
 
@@ -138,7 +141,7 @@ def train(
     """Run every method of ``config``; write config, chaos plan, metrics, summary, plots.
     ``resume``: continue the run in ``out`` (:mod:`ddiloco.runtime.resume`)."""
     torch.set_num_threads(max(1, min(torch.get_num_threads(), 2)))
-    processes = config.runtime == "processes"
+    processes = config.runtime in WALL_CLOCK_RUNTIMES
     if processes:  # refuse what cannot train before any process starts (or crash-loops)
         from ddiloco.runtime.processes.launcher import preflight
 
@@ -211,6 +214,10 @@ def process_job(
     t0: float | None = None,
 ) -> Launcher | DataParallelJob:
     """One method's real processes: a syncer and learners, or a torchrun DDP job."""
+    if config.runtime == "ray":
+        from ddiloco.runtime.processes.ray.launcher import RayLauncher
+
+        return RayLauncher(config, method, out, emit, resume=resume, t0=t0)
     if method_for(config, method).fragments:
         from ddiloco.runtime.processes.launcher.fragments import Launcher
 

@@ -326,7 +326,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--t0", type=float, default=None, help="the launch (epoch seconds)")
     parser.add_argument("--method", default="data_parallel")
     args = parser.parse_args(argv)
-    torch.set_num_threads(1)
+    torch.set_num_threads(1)  # until the config says how many
     stop = threading.Event()
     signal.signal(STOP_SIGNAL, lambda *_: stop.set())  # before rank_up: then it may come
     rank = int(os.environ.get("RANK", "0"))
@@ -341,7 +341,9 @@ def main(argv: list[str] | None = None) -> int:
     events = every if rank == 0 else Events(every.t0, open(os.devnull, "w"))  # noqa: SIM115
     try:
         run = Path(args.run_dir) if args.run_dir else None
-        worker = DPWorker(load_config(args.config), args.method, Path(args.out), events, stop, run)
+        config = load_config(args.config)
+        torch.set_num_threads(config.processes.threads)
+        worker = DPWorker(config, args.method, Path(args.out), events, stop, run)
         worker.run()
     except DDiLoCoError as exc:  # a restart cannot fix it: say so, and the job gives up
         print(f"ddiloco dp: error: rank {rank}: {exc}", file=sys.stderr, flush=True)

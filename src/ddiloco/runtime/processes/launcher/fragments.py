@@ -51,6 +51,12 @@ from ddiloco.errors import FATAL_EXIT as FATAL_EXIT  # re-exported: what a proce
 from ddiloco.errors import ConfigError
 from ddiloco.methods import method_for
 from ddiloco.report.summary import summary as report_summary
+from ddiloco.runtime.processes.launcher.devices import (
+    GPU_ENV,
+    assign_gpus,
+    learner_device,
+    visible_gpus,
+)
 from ddiloco.runtime.processes.launcher.link_faults import (
     LINK_KINDS,
     NO_PROXY,
@@ -93,6 +99,8 @@ def free_port(host: str) -> int:
 class Launcher(Supervisor):
     """Starts, watches and restarts the processes of one fragment method's run."""
 
+    RUNTIME = "processes"  # the summary's runtime
+
     @staticmethod
     def refuse(config: RunConfig, method: str) -> None:
         if not method_for(config, method).fragments:
@@ -107,10 +115,31 @@ class Launcher(Supervisor):
 
     def prepare(self) -> None:
         config = self.config
+        self.connect()
+        self.config_path = self.home / "config.toml"
+        # behind a proxy, payloads must cross it (to be delayed, held or damaged): no shm
+        shm = config.processes.shared_memory and self.links is None
+        self.gpus = self.learner_gpus()
+        child = replace(
+            config,
+            processes=replace(config.processes, shared_memory=shm),
+            train=replace(config.train, device=learner_device(config.train.device)),
+        )
+        self.config_path.write_text(to_toml(child), encoding="utf-8")
+        self.store = self.home / "syncer_state"
+        self.env[SECRET_ENV] = secrets.token_bytes(32).hex()
+        self.summary: dict[str, Any] | None = None
+        self.learner_done: dict[int, dict[str, Any]] = {}
+        self.seen: dict[str, Any] = {"rounds": 0, "eval": None}  # for a summary of our own
+
+    def connect(self) -> None:
+        """Where the syncer listens (``address``), what the learners dial
+        (``learner_address``: the fault-injecting proxy when there is one, else the syncer)
+        and the proxy's driver (``links``, or None)."""
+        config = self.config
         host, port = parse_address(config.processes.bind, "processes.bind")
         self.address = f"{host}:{port or free_port(host)}"
         faults = faults_of(config)
-        # learners talk to the fault-injecting proxy when there is one, else to the syncer
         self.learner_address = f"{host}:{free_port(host)}" if faults else self.address
         self.links = (
             None
@@ -124,16 +153,12 @@ class Launcher(Supervisor):
                 lambda: self.procs.get(PROXY),
             )
         )
-        self.config_path = self.home / "config.toml"
-        # behind a proxy, payloads must cross it (to be delayed, held or damaged): no shm
-        shm = config.processes.shared_memory and faults is None
-        child = replace(config, processes=replace(config.processes, shared_memory=shm))
-        self.config_path.write_text(to_toml(child), encoding="utf-8")
-        self.store = self.home / "syncer_state"
-        self.env[SECRET_ENV] = secrets.token_bytes(32).hex()
-        self.summary: dict[str, Any] | None = None
-        self.learner_done: dict[int, dict[str, Any]] = {}
-        self.seen: dict[str, Any] = {"rounds": 0, "eval": None}  # for a summary of our own
+
+    def learner_gpus(self) -> dict[int, str]:
+        """Each learner slot's own GPUs (``CUDA_VISIBLE_DEVICES``), refused before anything
+        starts when this host has too few."""
+        slots = self.config.train.learners + self.config.train.scavenged
+        return assign_gpus(self.config, slots, visible_gpus(os.environ))
 
     # -- processes --------------------------------------------------------------------------
     def _common(self) -> list[str]:
@@ -160,6 +185,8 @@ class Launcher(Supervisor):
         state = learner_directory(self.home, m)
         cmd = ["learner", "--syncer", self.learner_address, "--id", str(m), *self._common()]
         cmd += ["--state-dir", str(state), *(["--resume"] if resume else [])]
+        fixed = self.config.processes.peer_port  # one port per slot: learners share this host
+        cmd += ["--peer-port", str(fixed + m if fixed else 0)]
         ranks = self.config.processes.ranks
         if ranks > 1:  # a data-parallel learner: torchrun starts its ranks
             cmd = [
@@ -172,7 +199,8 @@ class Launcher(Supervisor):
                 "ddiloco.cli",
                 *cmd,
             ]
-        self._spawn(f"learner-{m}", [*cmd, "--join"] if join else cmd)
+        gpus = {GPU_ENV: self.gpus[m]} if m in self.gpus else None
+        self._spawn(f"learner-{m}", [*cmd, "--join"] if join else cmd, env=gpus)
 
     def rejoin(self, m: int) -> None:
         """Start learner ``m`` again (copying a peer) once its last life has exited: a clean
@@ -393,7 +421,7 @@ class Launcher(Supervisor):
             extra.pop(k, None)
         return report_summary(
             method=self.method,
-            runtime="processes",
+            runtime=self.RUNTIME,
             tokens=int(extra.pop("tokens")),
             seconds=float(summary["t"]),  # wall seconds on this clock
             ledger_balanced=bool(extra.pop("ledger_balanced", False)),

@@ -13,11 +13,13 @@ gpt-1m on 2 CPU cores, most of it splitting the corpus.
 
 from __future__ import annotations
 
+import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from ddiloco.config import RunConfig
 from ddiloco.runtime.contract import assemble, check_contract
+from ddiloco.runtime.processes.launcher.devices import assign_gpus, visible_gpus
 
 
 @dataclass(frozen=True)
@@ -29,6 +31,12 @@ class Report:
 def check(config: RunConfig, method: str = "decoupled") -> Report:
     """Raise a :class:`DDiLoCoError` naming why ``config`` cannot train as processes."""
     started = time.monotonic()
+    if config.runtime == "ray":  # the learners' device is on their nodes, not this driver's:
+        # a learner that cannot use it exits naming the cause (78), and the run stops
+        config = replace(config, train=replace(config.train, device="cpu"))
     setup = assemble(config, method)
-    check_contract(setup)
+    check_contract(setup)  # (first: it says when the device does not exist at all)
+    if setup.method.fragments and config.runtime == "processes":  # (Ray: num_gpus; a
+        # data-parallel job checks its ranks' devices itself)
+        assign_gpus(config, setup.slots, visible_gpus(os.environ))
     return Report(setup.seq_len, time.monotonic() - started)

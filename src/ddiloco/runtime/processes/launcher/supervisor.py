@@ -120,9 +120,16 @@ class Supervisor:
         """The subclass's own state (called last by ``__init__``)."""
 
     # -- processes --------------------------------------------------------------------------
-    def _spawn(self, name: str, args: list[str], control: bool = False) -> None:
+    def _spawn(
+        self,
+        name: str,
+        args: list[str],
+        control: bool = False,
+        env: dict[str, str] | None = None,
+    ) -> None:
         """Start ``name`` (unless its current life still runs): ``args`` is a ddiloco command
-        or, starting with ``-m``/``-c``, arguments to Python itself."""
+        or, starting with ``-m``/``-c``, arguments to Python itself; ``env``: variables of
+        this child's own on top of the run's (a learner's GPUs)."""
         old = self.procs.get(name)
         if old is not None and old.poll() is None:
             return
@@ -132,7 +139,7 @@ class Supervisor:
         argv = [sys.executable, *(args if raw else ["-m", "ddiloco.cli", *args])]
         proc = subprocess.Popen(
             argv,
-            env=self.env,
+            env={**self.env, **(env or {})},
             stdout=subprocess.PIPE,
             stderr=log,
             text=True,

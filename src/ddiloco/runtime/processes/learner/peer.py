@@ -22,7 +22,7 @@ from typing import Any
 
 import zmq
 
-from ddiloco.errors import DDiLoCoError
+from ddiloco.errors import ConfigError, DDiLoCoError
 from ddiloco.runtime.processes.transport.auth import LEARNER_NAME, Gatekeeper, present, serve_plain
 from ddiloco.runtime.processes.transport.sockets import Socket, configure, new_session
 from ddiloco.runtime.processes.transport.wire import Limits, Wire, WireError
@@ -40,7 +40,20 @@ class PeerError(DDiLoCoError):
 class SnapshotServer(threading.Thread):
     """Serves this learner's snapshots to newcomers."""
 
-    def __init__(self, bind_host: str, run: str, secret: bytes, learner: int) -> None:
+    def __init__(
+        self,
+        bind_host: str,
+        run: str,
+        secret: bytes,
+        learner: int,
+        *,
+        port: int = 0,
+        advertise_host: str | None = None,
+    ) -> None:
+        """Listen on ``bind_host:port`` (port 0: a free one); peers are told to dial
+        ``advertise_host`` (default ``bind_host``), so a learner can listen on 0.0.0.0 and
+        advertise its routable address. A fixed port that is taken is refused, naming it:
+        firewalls and Kubernetes open that port and no other."""
         super().__init__(name=f"snapshot-server-{learner}", daemon=True)
         self.learner = learner
         self.wire = Wire(run, secret, f"P{learner}", new_session(), Limits(max_payload=1024))
@@ -50,8 +63,21 @@ class SnapshotServer(threading.Thread):
         self.sock = self.ctx.socket(zmq.ROUTER)
         configure(self.sock, self.wire.limits)
         serve_plain(self.sock)
-        port = self.sock.bind_to_random_port(f"tcp://{bind_host}")
-        self.address = f"{bind_host}:{port}"
+        try:
+            if port:
+                self.sock.bind(f"tcp://{bind_host}:{port}")
+            else:
+                port = self.sock.bind_to_random_port(f"tcp://{bind_host}")
+        except zmq.ZMQError as exc:
+            self.sock.close(0)
+            self.gate.close()
+            self.ctx.term()
+            why = f"cannot listen for peer recovery on {bind_host}:{port}: {exc}"
+            if exc.errno == zmq.EADDRINUSE:  # never another port silently: it is the open one
+                why += " (another process holds it: stop that one, or choose another; 0: any)"
+                raise ConfigError("--peer-port", port, why) from None
+            raise ConfigError("--peer-bind", bind_host, why) from None
+        self.address = f"{advertise_host or bind_host}:{port}"
         self._want = threading.Event()
         self._lock = threading.Lock()
         self._waiting: list[bytes] = []  # requesters waiting for the next snapshot

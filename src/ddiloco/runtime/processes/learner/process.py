@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import threading
 import time
 from pathlib import Path
@@ -43,6 +42,7 @@ from ddiloco.runtime.processes.learner.local_checkpoint import (
 )
 from ddiloco.runtime.processes.learner.peer import PeerError, SnapshotServer, fetch_snapshot
 from ddiloco.runtime.processes.learner.ranks import Apply, RankGroup
+from ddiloco.runtime.processes.terminate import on_terminate
 from ddiloco.runtime.processes.transport.events import Events
 from ddiloco.runtime.processes.transport.shm import writer_for
 from ddiloco.runtime.processes.transport.sockets import new_session
@@ -73,15 +73,17 @@ class LearnerProcess:
         join: bool = False,
         leave_after: float = 0.0,
         peer_host: str = "127.0.0.1",
+        peer_port: int = 0,
+        peer_bind: str | None = None,
         max_steps: int = 0,
         state_dir: Path | None = None,
         resume: bool = False,
     ) -> None:
-        torch.set_num_threads(1)
         config = setup.config
+        torch.set_num_threads(config.processes.threads)
         self.setup = setup
         self.m = learner
-        self.ranks = RankGroup()
+        self.ranks = RankGroup(config.train.device)
         if not self.ranks.leader:  # only rank 0 speaks for the learner
             events = Events(events.t0, open(os.devnull, "w"))  # noqa: SIM115
         self.events = events
@@ -128,7 +130,14 @@ class LearnerProcess:
             shapes,
             give_up_seconds=config.processes.give_up_seconds,
         )
-        self.server = SnapshotServer(peer_host, run_id, secret, learner)
+        self.server = SnapshotServer(  # other ranks' servers never start: a free port each
+            peer_bind or peer_host,
+            run_id,
+            secret,
+            learner,
+            port=peer_port if self.ranks.leader else 0,
+            advertise_host=peer_host,
+        )
         self.leaving = threading.Event()
         self.started = time.monotonic()
         self.rebased: list[int] = []
@@ -151,7 +160,7 @@ class LearnerProcess:
 
     # -- life -------------------------------------------------------------------------------
     def run(self) -> int:
-        signal.signal(signal.SIGTERM, lambda *_: self.leaving.set())  # a clean leave
+        on_terminate(self.leaving.set)  # SIGTERM: a clean leave
         copied = self.join or self.resume  # rank 0 starts from a state the others copy
         if self.ranks.leader:
             self.link.start()

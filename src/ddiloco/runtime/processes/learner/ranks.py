@@ -18,18 +18,22 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ddiloco.trainer import pick_device
+
 Apply = tuple[int, int, list[torch.Tensor]]  # fragment, version, values
 
 
 class RankGroup:
     """This process's place among its learner's data-parallel ranks."""
 
-    def __init__(self) -> None:
+    def __init__(self, device: str = "cpu") -> None:
         self.world = int(os.environ.get("WORLD_SIZE", "1"))
         self.rank = int(os.environ.get("RANK", "0"))
         self.device = torch.device("cpu")
         if self.world > 1 and not dist.is_initialized():
-            cuda = torch.cuda.is_available()
+            # the learner's device, not whatever the host has: a CPU run on a GPU host
+            # all-reduces CPU tensors (gloo), which NCCL cannot
+            cuda = pick_device(device).type == "cuda"
             if cuda:
                 local = int(os.environ.get("LOCAL_RANK", "0"))
                 torch.cuda.set_device(local)

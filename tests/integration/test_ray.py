@@ -1,0 +1,218 @@
+"""The Ray runtime on a real local Ray cluster: a head and worker nodes started as separate
+``ray start`` processes on 127.0.0.1, learners as actors that are killed, frozen, placed on
+a node that joins and lost with a node that leaves; every Ray process stopped by PID."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+from bases import SMALL
+from rundir import records
+
+from ddiloco.commands.train import train
+from ddiloco.config import load_config
+
+RAY = str(Path(sys.executable).with_name("ray"))
+# the cluster's processes and this driver share one token (Ray's token authentication); Ray
+# reads it when it is imported, so it is set before the import below
+RAY_ENV = {
+    "RAY_USAGE_STATS_ENABLED": "0",
+    "RAY_DISABLE_DOCKER_CPU_WARNING": "1",
+    "RAY_AUTH_MODE": "token",
+    "RAY_AUTH_TOKEN": os.environ.get("RAY_AUTH_TOKEN") or secrets.token_hex(32),
+}
+os.environ.update(RAY_ENV)
+pytest.importorskip("ray", reason="the Ray runtime needs the extra: pip install 'ddiloco[ray]'")
+
+
+class LocalCluster:
+    """``ray start --block`` processes, each in a session of its own, stopped by the PIDs of
+    every process they started (found as their descendants before any is killed).
+
+    Ray refuses a loopback node address for a cluster of several nodes (it resolves
+    127.0.0.1 to the machine's address), so Ray's own sockets use this machine's address;
+    ddiloco's services bind 127.0.0.1 (``ray.service_host``)."""
+
+    def __init__(self, root: Path) -> None:
+        self.temp = Path(f"/tmp/rt-{secrets.token_hex(3)}")  # short: unix socket paths
+        self.port = 0
+        self.nodes: dict[str, subprocess.Popen[bytes]] = {}
+        self.seen: dict[str, set[int]] = {}  # every pid found under each node
+        self.logs = root
+
+    def start(self, name: str, cpus: int, resources: dict[str, float] | None = None) -> None:
+        if not self.nodes:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                self.port = s.getsockname()[1]
+            where = ["--head", f"--port={self.port}", f"--temp-dir={self.temp}"]
+            where += ["--include-dashboard=false"]
+        else:
+            where = [f"--address={self.address}"]
+        cmd = [RAY, "start", "--block", f"--num-cpus={cpus}", "--disable-usage-stats", *where]
+        if resources:
+            cmd.append(f"--resources={json.dumps(resources)}")
+        log = (self.logs / f"ray-{name}.log").open("wb")
+        self.nodes[name] = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        self.seen[name] = {self.nodes[name].pid}
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def wait_nodes(self, count: int, timeout: float = 90.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self.descendants()
+            status = subprocess.run(
+                [RAY, "status", f"--address={self.address}"], capture_output=True, text=True
+            ).stdout
+            if status.count(" node_") >= count:
+                return
+            time.sleep(1.0)
+        raise AssertionError(f"{count} Ray nodes not up in {timeout:.0f} s")
+
+    def descendants(self, name: str | None = None) -> list[psutil.Process]:
+        """The live processes under node ``name`` (every node's when None), remembered."""
+        found = []
+        for node in [name] if name else list(self.nodes):
+            for pid in list(self.seen[node]):
+                try:
+                    proc = psutil.Process(pid)
+                    tree = [proc, *proc.children(recursive=True)]
+                except psutil.NoSuchProcess:
+                    continue
+                for p in tree:
+                    self.seen[node].add(p.pid)
+                found += [p for p in tree if p.status() != psutil.STATUS_ZOMBIE]
+        return found
+
+    def kill_node(self, name: str) -> None:
+        """A node lost: SIGKILL every process under it (raylet, workers) at once."""
+        for proc in self.descendants(name):
+            with contextlib.suppress(psutil.NoSuchProcess):
+                proc.kill()
+        self.nodes[name].wait(timeout=10)
+
+    def stop(self) -> list[int]:
+        """Kill every process of every node we started; returns any still alive."""
+        procs = self.descendants()
+        for proc in procs:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                proc.kill()
+        psutil.wait_procs(procs, timeout=10)
+        for proc in self.nodes.values():
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=5)
+        alive = []
+        for pids in self.seen.values():
+            for pid in pids:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                        alive.append(pid)
+        shutil.rmtree(self.temp, ignore_errors=True)
+        return alive
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    c = LocalCluster(tmp_path)
+    try:
+        c.start("head", cpus=1, resources={"ddiloco_syncer": 1})
+        c.start("a", cpus=2)
+        c.wait_nodes(2)
+        yield c
+    finally:
+        left = c.stop()
+        assert not left, f"Ray processes left behind: {left}"
+
+
+def watch(run: Path, until: threading.Event, act) -> None:  # type: ignore[no-untyped-def]
+    """Call ``act(records)`` with the run's records twice a second until ``until``."""
+    while not until.is_set():
+        path = run / "metrics.jsonl"
+        if path.exists():
+            lines = path.read_text(encoding="utf-8").splitlines()
+            act([json.loads(line) for line in lines[:-1] if line.strip()])  # (last: partial)
+        time.sleep(0.5)
+
+
+def test_a_ray_run_survives_a_killed_and_a_frozen_learner_and_nodes_coming_and_going(
+    tmp_path, cluster
+):
+    out = tmp_path / "run"
+    config = load_config(
+        None,
+        [
+            *SMALL,
+            "runtime='ray'",
+            f"ray.address='{cluster.address}'",
+            "ray.service_host='127.0.0.1'",
+            "train.scavenged=1",
+            "train.tokens=600000",
+            "train.eval_every=200000",
+            "processes.max_wall_seconds=240",
+            "chaos=[{at=20.0,kind='crash',learner=0,duration=1.0},"
+            "{at=24.0,kind='freeze',learner=1,duration=4.0}]",
+        ],
+    )
+    done = threading.Event()
+    state: dict[str, Any] = {"added": None, "removed": None}
+
+    def act(rs: list[dict[str, Any]]) -> None:
+        rounds = sum(r["kind"] == "round" for r in rs)
+        if state["added"] is None and rounds >= 2:
+            cluster.start("b", cpus=1)  # capacity appears: the scavenged slot is placed
+            state["added"] = time.monotonic()
+        steps_2 = [r for r in rs if r["kind"] == "step" and r.get("learner") == 2]
+        if state["removed"] is None and len(steps_2) >= 20:
+            cluster.kill_node("b")  # and goes away with its node
+            state["removed"] = time.monotonic()
+
+    watcher = threading.Thread(target=watch, args=(out, done, act), daemon=True)
+    watcher.start()
+    try:
+        (summary,) = train(config, out, quiet=True)
+    finally:
+        done.set()
+        watcher.join(timeout=5)
+    rs = records(out)
+    kinds = [r["kind"] for r in rs]
+    events = [r for r in rs if r["kind"] not in ("step", "round", "eval")]  # (for a failure)
+    assert summary["runtime"] == "ray"
+    assert summary["ledger_balanced"], summary
+    assert summary["tokens"] >= 600000
+    assert state["added"] is not None and state["removed"] is not None, state
+    # the killed learner came back through a peer copy, on the actor Ray restarted
+    assert any(r["kind"] == "recovered" and r["learner"] == 0 for r in rs), events
+    restarted = [r for r in rs if r["kind"] == "started" and r["process"] == "learner-0"]
+    assert len(restarted) >= 2 and restarted[-1]["reconstructed"], restarted
+    assert len({r["pid"] for r in restarted}) == len(restarted)  # a new worker process
+    # the frozen one was frozen (SIGSTOP through its node) and trained after
+    freeze = next(r for r in rs if r["kind"] == "chaos" and r["event"] == "freeze")
+    assert "skipped" not in freeze, freeze
+    assert any(r["kind"] == "step" and r["learner"] == 1 and r["t"] > freeze["t"] + 4 for r in rs)
+    # the scavenged slot ran on the node that joined, and was lost with it
+    placed = [r for r in rs if r["kind"] == "started" and r["process"] == "learner-2"]
+    assert placed and "step" in kinds
+    assert any(r["kind"] == "step" and r["learner"] == 2 for r in rs)
+    assert any(r["kind"] == "exited" and r["process"] == "learner-2" for r in rs)
+    # no merge doubled: each (fragment, version) merged once
+    merged = [(r["fragment"], r["version"]) for r in rs if r["kind"] == "round"]
+    assert len(merged) == len(set(merged))
+    assert (out / "summary.json").exists()
