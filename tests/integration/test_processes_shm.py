@@ -30,12 +30,18 @@ def run(tmp_path: Path, roots: dict[str, Path]) -> tuple[dict[str, Any], list[di
     """A run whose processes see the /dev/shm stand-ins ``roots[name]`` (default: the real)."""
     records: list[dict[str, Any]] = []
     launcher = Launcher(load_config(None, BASE), "decoupled", tmp_path, records.append)
-    spawn, env = launcher._spawn, dict(launcher.env)
+    spawn = launcher._spawn
 
-    def spawn_in(name: str, args: list[str], control: bool = False) -> None:
+    def spawn_in(
+        name: str, args: list[str], control: bool = False, env: dict[str, str] | None = None
+    ) -> None:
         root = roots.get(name.split("-")[0])
-        launcher.env = {**env, "DDILOCO_SHM_ROOT": str(root)} if root else env
-        spawn(name, args, control)
+        spawn(
+            name,
+            args,
+            control,
+            {**(env or {}), **({"DDILOCO_SHM_ROOT": str(root)} if root else {})},
+        )
 
     launcher._spawn = spawn_in  # type: ignore[method-assign]
     return launcher.run(), records

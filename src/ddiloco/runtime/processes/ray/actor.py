@@ -120,6 +120,11 @@ class ServiceHost:
         sys.stderr = Relay(self.lines, ERR, tee=sys.__stderr__)
         self.address: str | None = None  # a syncer's, once its command is placed
         self.runs = 0
+        # warm: Ray starts a restarted actor's process at once, so the imports (torch: seconds)
+        # are done by the time the launcher's restart call comes
+        import ddiloco.cli
+        import ddiloco.runtime.processes.learner.process
+        import ddiloco.runtime.processes.syncer.service  # noqa: F401
 
     def where(self) -> dict[str, Any]:
         """This actor's process and node (for signals), and whether Ray restarted it."""
