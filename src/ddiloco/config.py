@@ -266,6 +266,7 @@ class ProcessesConfig:
     proxy: str = ""  # faults between learners and syncer, e.g. "drop=0.02,corrupt=0.01"
     ranks: int = 1  # data-parallel ranks per learner (torchrun; only rank 0 talks)
     threads: int = 1  # torch CPU threads of each learner process (each rank's)
+    spares: int = 0  # warm spare learner processes that take a dead learner's slot (0: none)
     shared_memory: bool = True  # same-host fragments through /dev/shm (off behind a proxy)
     give_up_seconds: float = 60.0  # a learner that hears no syncer this long exits non-zero
     max_restarts: int = 5  # failed starts in a row of one process before the launcher gives up
@@ -290,6 +291,7 @@ class ProcessesConfig:
             require(value > 0, f"processes.{name}", value, "must be > 0")
         require(self.ranks >= 1, "processes.ranks", self.ranks, "must be >= 1")
         require(self.threads >= 1, "processes.threads", self.threads, "must be >= 1")
+        require(self.spares >= 0, "processes.spares", self.spares, "must be >= 0")
         require(
             self.final_round_seconds >= 0,
             "processes.final_round_seconds",

@@ -15,6 +15,7 @@ import argparse
 import logging
 import time
 from pathlib import Path
+from typing import Any
 
 from ddiloco.commands.syncer import add_common
 from ddiloco.config import load_config
@@ -25,7 +26,13 @@ from ddiloco.runtime.processes.transport.sockets import load_secret, parse_addre
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--syncer", default="127.0.0.1:5555", help="HOST:PORT of the syncer")
-    parser.add_argument("--id", type=int, required=True, help="learner slot (its data shard)")
+    parser.add_argument("--id", type=int, help="learner slot (its data shard)")
+    parser.add_argument(
+        "--spare",
+        action="store_true",
+        help="a warm spare: import, read the data, then wait on stdin for the slot to take over "
+        '(one JSON line: {"id": M, "state_dir": ..., "peer_port": N, "gpus": ...}); it joins',
+    )
     parser.add_argument(
         "--join",
         action="store_true",
@@ -71,11 +78,15 @@ def run(args: argparse.Namespace) -> int:
     from ddiloco.runtime.processes.learner.process import LearnerProcess
     from ddiloco.runtime.run import RunSetup
 
-    logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s learner {args.id} %(message)s")
+    require((args.id is None) == args.spare, "--id", args.id, "give a slot, or --spare (not both)")
+    who = "spare" if args.spare else args.id
+    logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s learner {who} %(message)s")
     parse_address(args.syncer, "--syncer")
     config = load_config(args.config, list(args.set))
     torch.set_num_threads(config.processes.threads)  # before the model and data are built
     setup = RunSetup(config, args.method)
+    if args.spare and not take_over(args, setup):
+        return 0  # the launcher went away, or stopped the run: nothing to take over
     require(0 <= args.id < setup.slots, "--id", args.id, f"slots are 0..{setup.slots - 1}")
     require(args.leave_after >= 0, "--leave-after", args.leave_after, "must be >= 0")
     peer_port = config.processes.peer_port if args.peer_port is None else args.peer_port
@@ -98,3 +109,31 @@ def run(args: argparse.Namespace) -> int:
         resume=args.resume,
     )
     return process.run()
+
+
+def take_over(args: argparse.Namespace, setup: Any) -> bool:
+    """A warm spare: build what every slot shares (the model, the shards), say so, then wait
+    for the launcher's one line naming the slot to take over; False at end of input. The
+    spare then starts as that slot's restart (``--join``: it copies a peer)."""
+    import json
+    import os
+    import sys
+
+    import torch
+
+    setup.splits  # noqa: B018  (read now, not after the slot is named)
+    torch.optim.AdamW([torch.zeros(1, requires_grad=True)])  # its first one imports dynamo: 2 s
+    Events(args.t0 if args.t0 is not None else time.time())("spare_ready", pid=os.getpid())
+    line = sys.stdin.readline()
+    if not line.strip():
+        return False
+    order = json.loads(line)
+    args.id, args.join = int(order["id"]), True
+    args.state_dir = order.get("state_dir") or args.state_dir
+    args.peer_port = int(order.get("peer_port", 0))
+    if order.get("gpus"):  # before anything touches CUDA (its first use reads it)
+        os.environ["CUDA_VISIBLE_DEVICES"] = str(order["gpus"])
+    for handler in logging.getLogger().handlers:
+        handler.setFormatter(logging.Formatter(f"%(asctime)s learner {args.id} %(message)s"))
+    require(0 <= args.id < setup.slots, "id", args.id, f"slots are 0..{setup.slots - 1}")
+    return True

@@ -64,6 +64,7 @@ from ddiloco.runtime.processes.launcher.link_faults import (
     LinkFaults,
     faults_of,
 )
+from ddiloco.runtime.processes.launcher.spares import Spares
 from ddiloco.runtime.processes.launcher.supervision import own_summary
 from ddiloco.runtime.processes.launcher.supervisor import Supervisor
 from ddiloco.runtime.processes.learner.local_checkpoint import learner_directory
@@ -131,6 +132,7 @@ class Launcher(Supervisor):
         self.summary: dict[str, Any] | None = None
         self.learner_done: dict[int, dict[str, Any]] = {}
         self.seen: dict[str, Any] = {"rounds": 0, "eval": None}  # for a summary of our own
+        self.spares = Spares(self, config.processes.spares)
 
     def connect(self) -> None:
         """Where the syncer listens (``address``), what the learners dial
@@ -183,10 +185,16 @@ class Launcher(Supervisor):
         """Start slot ``m``: fresh, ``join`` (copy a peer) or ``resume`` (its own newest local
         checkpoint, else as a join)."""
         state = learner_directory(self.home, m)
+        fixed = self.config.processes.peer_port  # one port per slot: learners share this host
+        port = fixed + m if fixed else 0
+        if join and not resume:  # a restart: a warm spare takes the slot, if one is ready
+            order = {"state_dir": str(state), "peer_port": port, "gpus": self.gpus.get(m)}
+            old = self.procs.get(f"learner-{m}")
+            if (old is None or old.poll() is not None) and self.spares.take(m, order):
+                return
         cmd = ["learner", "--syncer", self.learner_address, "--id", str(m), *self._common()]
         cmd += ["--state-dir", str(state), *(["--resume"] if resume else [])]
-        fixed = self.config.processes.peer_port  # one port per slot: learners share this host
-        cmd += ["--peer-port", str(fixed + m if fixed else 0)]
+        cmd += ["--peer-port", str(port)]
         ranks = self.config.processes.ranks
         if ranks > 1:  # a data-parallel learner: torchrun starts its ranks
             cmd = [
@@ -201,6 +209,11 @@ class Launcher(Supervisor):
             ]
         gpus = {GPU_ENV: self.gpus[m]} if m in self.gpus else None
         self._spawn(f"learner-{m}", [*cmd, "--join"] if join else cmd, env=gpus)
+
+    def start_spare(self, name: str) -> None:
+        """Start a warm spare (:mod:`.spares`): it waits on its stdin for a slot."""
+        cmd = ["learner", "--spare", "--syncer", self.learner_address, *self._common()]
+        self._spawn(name, cmd, control=True)
 
     def rejoin(self, m: int) -> None:
         """Start learner ``m`` again (copying a peer) once its last life has exited: a clean
@@ -297,11 +310,13 @@ class Launcher(Supervisor):
             self.links.start()
         for m in range(self.config.train.learners):
             self.start_learner(m, resume=self.resume)
+        self.spares.fill()
         self.schedule_chaos(self.config.chaos)
         try:
             if not self.watch(lambda: self.summary is not None, self._supervise):
                 self.summary = own_summary(self.seen, self.now())  # no syncer came
             assert self.summary is not None
+            self.spares.stop()
             if self.summary.get("summary_source") != "launcher":  # else nobody stops them
                 self._wait_learners(10.0)
         finally:
@@ -326,6 +341,7 @@ class Launcher(Supervisor):
             self.links.counts = record["counts"]
         elif kind == "learner_done":
             self.learner_done[int(record["learner"])] = record
+        self.spares.heard(name, record)
         if kind in RELAYED:
             self.emit(record)
 
@@ -346,6 +362,13 @@ class Launcher(Supervisor):
             if self.procs.get(name) is not proc:  # an event's hook started a new life
                 continue
             self.expected_exit.add(name)  # handled once
+            if self.spares.is_spare(name):  # replaced, unless spares keep failing (loud)
+                verdict = self.policy.exited(name, code)
+                self.exited(name, code, verdict)
+                if verdict.give_up:
+                    raise verdict.error(self.log_of(name))
+                self.after(verdict.delay, self.spares.fill)
+                continue
             # a learner that is done or left (0), or that is not restarted (processes.restart
             # off) unless it failed fatally: the run goes on without it
             unrestarted = code == 0 or (not self.config.processes.restart and code != FATAL_EXIT)
@@ -355,7 +378,7 @@ class Launcher(Supervisor):
             verdict = self.policy.exited(name, code)
             self.exited(name, code, verdict)
             if verdict.give_up:
-                raise verdict.error(self.logs / f"{name}.log")
+                raise verdict.error(self.log_of(name))
             self.restarts[name] = self.restarts.get(name, 0) + 1
             if name == SYNCER:
                 self.after(verdict.delay, self.start_syncer)

@@ -100,6 +100,8 @@ class Supervisor:
             p.max_restarts, p.restart_delay_seconds, p.restart_backoff_cap_seconds
         )
         self.readers: dict[str, threading.Thread] = {}
+        self.alias: dict[str, str] = {}  # a child's first name -> the one it took (a spare's)
+        self.log_files: dict[str, Path] = {}  # where each child's stderr goes
         self.hooks = list(hooks)  # called with every event, on the supervisor's thread
         self.phase = Phase.RUNNING
         self.stop_deadline = math.inf  # monotonic: when a stop stops waiting for a summary
@@ -134,7 +136,8 @@ class Supervisor:
         if old is not None and old.poll() is None:
             return
         self.expected_exit.discard(name)
-        log = (self.logs / f"{name}.log").open("a", encoding="utf-8")
+        self.log_files[name] = self.logs / f"{name}.log"
+        log = self.log_files[name].open("a", encoding="utf-8")
         raw = args[0] in ("-m", "-c")  # a module or a program, else a ddiloco command
         argv = [sys.executable, *(args if raw else ["-m", "ddiloco.cli", *args])]
         proc = subprocess.Popen(
@@ -192,6 +195,9 @@ class Supervisor:
         for group in groups:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(group, sig)
+        if sig == signal.SIGKILL:  # dead when this returns: a restart right after must not
+            with contextlib.suppress(subprocess.TimeoutExpired):  # find it still running
+                proc.wait(timeout=2.0)
         return True
 
     def thaw(self, name: str) -> None:
@@ -268,6 +274,7 @@ class Supervisor:
             name, record = self.events.get(timeout=timeout)
         except queue.Empty:
             return
+        name = self.alias.get(name, name)
         self.policy.heard(name, str(record.get("kind")))
         self.handle(name, record)
         for hook in self.hooks:
@@ -307,7 +314,21 @@ class Supervisor:
 
     def exited(self, name: str, code: int, verdict: Verdict | None) -> None:
         """The ``exited`` record: the code, why (its log's last word), what happens next."""
-        self.emit(exited_record(name, code, verdict, self.logs / f"{name}.log", self.now()))
+        self.emit(exited_record(name, code, verdict, self.log_of(name), self.now()))
+
+    def log_of(self, name: str) -> Path:
+        """The log file of ``name``'s current life (a spare's life keeps its own file)."""
+        return self.log_files.get(name, self.logs / f"{name}.log")
+
+    def rename(self, old: str, new: str) -> None:
+        """Child ``old`` lives on as ``new`` (a spare taking a slot): its process, reader,
+        log and the events its reader still tags ``old``."""
+        self.procs[new] = self.procs.pop(old)
+        self.readers[new] = self.readers.pop(old)
+        self.log_files[new] = self.log_files.pop(old)
+        self.alias[old] = new
+        self.expected_exit.discard(new)
+        self.policy.started(new)
 
     def shutdown(self) -> None:
         """Stop every child's process group (torchrun ranks included, see :meth:`signal`):

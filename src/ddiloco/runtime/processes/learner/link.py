@@ -176,7 +176,7 @@ class SyncerLink(threading.Thread):
         while time.monotonic() < deadline and self.fatal is None:
             self.outbox.put(AskPeers())
             try:
-                return self._peers.get(timeout=1.0)
+                return self._peers.get(timeout=0.25)  # (an ask before the link is up is lost)
             except queue.Empty:
                 continue
         return {}

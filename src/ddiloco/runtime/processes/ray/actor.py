@@ -122,9 +122,13 @@ class ServiceHost:
         self.runs = 0
         # warm: Ray starts a restarted actor's process at once, so the imports (torch: seconds)
         # are done by the time the launcher's restart call comes
+        import torch
+
         import ddiloco.cli
         import ddiloco.runtime.processes.learner.process
         import ddiloco.runtime.processes.syncer.service  # noqa: F401
+
+        torch.optim.AdamW([torch.zeros(1, requires_grad=True)])  # its first imports dynamo: 2 s
 
     def where(self) -> dict[str, Any]:
         """This actor's process and node (for signals), and whether Ray restarted it."""

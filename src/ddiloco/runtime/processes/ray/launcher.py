@@ -71,6 +71,10 @@ class RayLauncher(Launcher):
         self.actors: dict[str, Any] = {}
         self._config_text: str | None = None
 
+    def prepare(self) -> None:
+        super().prepare()
+        self.spares.count = 0  # a restarted actor is warm already (it imports when built)
+
     def learner_gpus(self) -> dict[int, str]:
         return {}  # Ray hands each learner actor its own (num_gpus)
 
