@@ -24,12 +24,15 @@ with ``max_restarts=-1``, so a learner's death costs only that learner.
 
 from __future__ import annotations
 
+import signal
 import threading
 from typing import Any
 
 import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from ddiloco.chaos.plan import ChaosEvent, chaos_record
+from ddiloco.config import RunConfig
 from ddiloco.errors import ConfigError
 from ddiloco.runtime.processes.launcher.devices import gpus_each
 from ddiloco.runtime.processes.launcher.fragments import SYNCER, Launcher, free_port
@@ -49,7 +52,7 @@ class RayLauncher(Launcher):
     RUNTIME = "ray"
 
     @staticmethod
-    def refuse(config: Any, method: str) -> None:
+    def refuse(config: RunConfig, method: str) -> None:
         Launcher.refuse(config, method)
         if config.processes.ranks > 1:
             why = "a learner of several ranks (a placement group of rank actors) is not built yet"
@@ -156,13 +159,15 @@ class RayLauncher(Launcher):
             return super().signal(name, sig)
         if child.poll() is not None:
             return False
-        if sig in (9, 15):  # SIGKILL, SIGTERM: an exit we asked for
+        if sig in (signal.SIGKILL, signal.SIGTERM):  # an exit we asked for
             self.expected_exit.add(name)
-        if sig == 9:
+        if sig == signal.SIGTERM and child.where is None:  # never placed: nothing to stop
+            sig = signal.SIGKILL
+        if sig == signal.SIGKILL:
             ray.kill(child.actor, no_restart=self.finished.is_set())
             child.end(DIED, "killed")  # (Ray says so a second later: the next life may start)
             return True
-        if sig == 15:
+        if sig == signal.SIGTERM:
             try:
                 heard = ray.get(child.actor.terminate.remote(), timeout=SIGNAL_SECONDS)
             except ray.exceptions.RayError:
@@ -173,11 +178,8 @@ class RayLauncher(Launcher):
             return True
         if sig not in SIGNALS or child.where is None:
             return False
-        task = send_signal.options(
-            scheduling_strategy=ray.util.scheduling_strategies.NodeAffinitySchedulingStrategy(
-                child.where["node"], soft=False
-            )
-        ).remote(child.pid, sig)
+        on_its_node = NodeAffinitySchedulingStrategy(child.where["node"], soft=False)
+        task = send_signal.options(scheduling_strategy=on_its_node).remote(child.pid, sig)
         try:
             return bool(ray.get(task, timeout=SIGNAL_SECONDS))
         except ray.exceptions.RayError:
