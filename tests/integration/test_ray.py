@@ -180,9 +180,14 @@ def test_a_ray_run_survives_a_killed_and_a_frozen_learner_and_nodes_coming_and_g
         if state["added"] is None and rounds >= 2:
             cluster.start("b", cpus=1)  # capacity appears: a pending learner is placed
             state["added"] = time.monotonic()
-        steps_2 = [r for r in rs if r["kind"] == "step" and r.get("learner") == 2]
-        if state["removed"] is None and len(steps_2) >= 20:
-            cluster.kill_node("b")  # and goes away with its node
+        starts = [r for r in rs if r["kind"] == "started"]
+        first = {r["node"] for r in starts[:3]}  # the syncer's and learners 0-1's nodes
+        on_b = [r for r in starts[3:] if r["node"] not in first]
+        slot = int(on_b[0]["process"].split("-")[1]) if on_b else -1
+        steps = [r for r in rs if r["kind"] == "step" and r["learner"] == slot]
+        steps = [r for r in steps if r["t"] > on_b[0]["t"]] if on_b else []
+        if state["removed"] is None and len(steps) >= 20:
+            cluster.kill_node("b")  # once the learner Ray put there trains: lost with it
             state["removed"] = time.monotonic()
 
     watcher = threading.Thread(target=watch, args=(out, done, act), daemon=True)
