@@ -11,6 +11,11 @@ evaluation thread, which must not stall merges or beats).
     .venv/bin/python benchmarks/bench_step_overhead.py --model gpt-4m --blocks 6 --steps 10
     .venv/bin/python benchmarks/bench_step_overhead.py --model gpt-12m --eval-every 512 \
         --eval-batches 16
+    .venv/bin/python benchmarks/bench_step_overhead.py --ray   # the learner as a Ray task
+
+With ``--ray`` the learner runs in a Ray worker process on a local Ray cluster (as ``ddiloco
+train --runtime ray`` runs it; the syncer stays a process): Ray's own threads share the
+machine with it in both kinds of block.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -31,6 +37,50 @@ from ddiloco.runtime.processes.learner.process import LearnerProcess
 from ddiloco.runtime.processes.transport.events import Events
 from ddiloco.runtime.run import RunSetup
 from syncer_process import start_syncer
+
+
+def measure(
+    overrides: list[str], address: str, secret: bytes, blocks: int, steps: int
+) -> dict[str, Any]:
+    """One learner against the syncer at ``address``: ``blocks`` pairs of ``steps`` steps
+    with syncing off, then on; the step times (s), the inner steps of the syncing-on ones,
+    and the merged fragment versions it applied."""
+    torch.set_num_threads(1)
+    setup = RunSetup(load_config(None, overrides))
+    quiet = Events(time.time(), io.StringIO())
+    learner = LearnerProcess(setup, 0, address, "bench", secret, quiet)
+    learner.link.start()
+    learner.server.start()
+    learner.link.register(learner.status())
+    if not learner.link.welcomed.wait(120):
+        raise SystemExit("the syncer did not answer")
+    inner: list[float] = []  # the inner step alone, inside the syncing-on steps
+    train_step = learner.trainer.train_step
+
+    def timed_step(batches: int = 1) -> tuple[float, int]:
+        t = time.perf_counter()
+        out = train_step(batches)
+        inner.append(time.perf_counter() - t)
+        return out
+
+    learner.trainer.train_step = timed_step  # type: ignore[method-assign]
+    for _ in range(3):  # warm up both paths
+        learner.step()
+    off: list[float] = []
+    on: list[float] = []
+    for _ in range(blocks):
+        for _ in range(steps):
+            t = time.perf_counter()
+            train_step()
+            off.append(time.perf_counter() - t)
+        for _ in range(steps):
+            t = time.perf_counter()
+            learner.step()
+            on.append(time.perf_counter() - t)
+    merged = sum(learner.sync.versions)
+    learner.link.close(0.0)
+    learner.server.close()
+    return {"off": off, "on": on, "inner": inner, "merged": merged}
 
 
 def main() -> None:
@@ -42,6 +92,7 @@ def main() -> None:
     parser.add_argument("--fragments", type=int, default=12)
     parser.add_argument("--eval-every", type=int, default=1_000_000_000, help="syncer, tokens")
     parser.add_argument("--eval-batches", type=int, default=1)
+    parser.add_argument("--ray", action="store_true", help="the learner in a Ray worker")
     args = parser.parse_args()
     torch.set_num_threads(1)
     overrides = [
@@ -67,43 +118,19 @@ def main() -> None:
         daemon=True,
     ).start()
     try:
-        setup = RunSetup(config)
-        quiet = Events(time.time(), io.StringIO())
-        learner = LearnerProcess(setup, 0, address, "bench", secret, quiet)
-        learner.link.start()
-        learner.server.start()
-        learner.link.register(learner.status())
-        if not learner.link.welcomed.wait(120):
-            raise SystemExit("the syncer did not answer")
-        inner: list[float] = []  # the inner step alone, inside the syncing-on steps
-        train_step = learner.trainer.train_step
+        if args.ray:  # the learner in a Ray actor's worker, as `--runtime ray` runs it
+            import ray
 
-        def timed_step(batches: int = 1) -> tuple[float, int]:
-            t = time.perf_counter()
-            out = train_step(batches)
-            inner.append(time.perf_counter() - t)
-            return out
-
-        learner.trainer.train_step = timed_step  # type: ignore[method-assign]
-        for _ in range(3):  # warm up both paths
-            learner.step()
-        off: list[float] = []
-        on: list[float] = []
-        for _ in range(args.blocks):
-            for _ in range(args.steps):
-                t = time.perf_counter()
-                train_step()
-                off.append(time.perf_counter() - t)
-            for _ in range(args.steps):
-                t = time.perf_counter()
-                learner.step()
-                on.append(time.perf_counter() - t)
-        merged = sum(learner.sync.versions)
-        learner.link.close(0.0)
-        learner.server.close()
+            ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+            task = ray.remote(num_cpus=1)(measure)
+            result = ray.get(task.remote(overrides, address, secret, args.blocks, args.steps))
+            ray.shutdown()
+        else:
+            result = measure(overrides, address, secret, args.blocks, args.steps)
     finally:
         syncer.kill()  # (a SIGTERM would make it evaluate once more: minutes for big models)
         syncer.wait(timeout=30)
+    off, on, inner, merged = result["off"], result["on"], result["inner"], result["merged"]
     m_off, m_on = statistics.median(off), statistics.median(on)
     print(
         f"model {args.model}, batch {args.batch}, P = H = {args.fragments}, "

@@ -16,6 +16,7 @@ from typing import Any
 from ddiloco.core.ledger import CRASH, TokenLedger
 from ddiloco.errors import ConfigError
 
+MAX_CONTRADICTIONS = 10  # errors named in the summary (the rest are counted)
 STATE_KEY = "tolerant"  # this wrapper's section of the durable state (name kept for old stores)
 
 
@@ -50,6 +51,7 @@ class RestartLedger:
     def __init__(self, num_fragments: int, *, carry: bool = False) -> None:
         self.book = TokenLedger(num_fragments, carry=carry)
         self.errors = 0
+        self.contradictions: list[str] = []  # the first errors, named (the summary's)
         self.lives: dict[int, int] = {}  # learner -> incarnation the ledger's state is of
         self.floor: dict[tuple[int, int], int] = {}  # base version of the last counted rebase
         self.last_step: dict[int, tuple[int, int]] = {}  # learner -> (step, tokens per step)
@@ -70,8 +72,10 @@ class RestartLedger:
     def _guard(self, fn: Callable[..., object], *args: object) -> None:
         try:
             fn(*args)
-        except ConfigError:
+        except ConfigError as exc:
             self.errors += 1
+            if len(self.contradictions) < MAX_CONTRADICTIONS:  # what, for the summary
+                self.contradictions.append(f"{fn.__name__}{args}: {exc}")
 
     # -- the learner side, as the syncer service reports it --------------------------------
     def joined(self, learner: int, incarnation: int, step: int, versions: list[int]) -> None:

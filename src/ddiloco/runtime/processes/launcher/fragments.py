@@ -194,21 +194,18 @@ class Launcher(Supervisor):
                 return
         cmd = ["learner", "--syncer", self.learner_address, "--id", str(m), *self._common()]
         cmd += ["--state-dir", str(state), *(["--resume"] if resume else [])]
-        cmd += ["--peer-port", str(port)]
-        ranks = self.config.processes.ranks
-        if ranks > 1:  # a data-parallel learner: torchrun starts its ranks
-            cmd = [
-                "-m",
-                "torch.distributed.run",
-                "--standalone",
-                "--nproc-per-node",
-                str(ranks),
-                "-m",
-                "ddiloco.cli",
-                *cmd,
-            ]
+        cmd += ["--peer-port", str(port), *(["--join"] if join else [])]
         gpus = {GPU_ENV: self.gpus[m]} if m in self.gpus else None
-        self._spawn(f"learner-{m}", [*cmd, "--join"] if join else cmd, env=gpus)
+        self._spawn(f"learner-{m}", self.ranked(cmd), env=gpus)
+
+    def ranked(self, cmd: list[str]) -> list[str]:
+        """A learner's command as its child runs it: with ``processes.ranks`` > 1, under
+        torchrun, which starts its ranks."""
+        ranks = self.config.processes.ranks
+        if ranks == 1:
+            return cmd
+        run = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks)]
+        return [*run, "-m", "ddiloco.cli", *cmd]
 
     def start_spare(self, name: str) -> None:
         """Start a warm spare (:mod:`.spares`): it waits on its stdin for a slot."""
@@ -297,10 +294,17 @@ class Launcher(Supervisor):
             return
         if proc.poll() is None:
             if self.policy.is_up(SYNCER):  # else its syncer_up asks it
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, signal.SIGTERM)
+                self.ask_to_stop(SYNCER)
         elif SYNCER in self.expected_exit:  # its exit is handled: a restart is pending
             self.start_syncer()
+
+    def ask_to_stop(self, name: str) -> None:
+        """A SIGTERM to ``name``'s process group: its clean stop, not an exit we caused (a
+        syncer stopping ends the run its own way)."""
+        proc = self.procs.get(name)
+        if proc is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
 
     # -- supervision ------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:

@@ -122,6 +122,16 @@ class Supervisor:
         """The subclass's own state (called last by ``__init__``)."""
 
     # -- processes --------------------------------------------------------------------------
+    def claim(self, name: str) -> bool:
+        """Make way for a new life of ``name`` (its log named, an exit of it unexpected
+        again); False while its current life still runs (then nothing starts)."""
+        old = self.procs.get(name)
+        if old is not None and old.poll() is None:
+            return False
+        self.expected_exit.discard(name)
+        self.log_files[name] = self.logs / f"{name}.log"
+        return True
+
     def _spawn(
         self,
         name: str,
@@ -132,11 +142,8 @@ class Supervisor:
         """Start ``name`` (unless its current life still runs): ``args`` is a ddiloco command
         or, starting with ``-m``/``-c``, arguments to Python itself; ``env``: variables of
         this child's own on top of the run's (a learner's GPUs)."""
-        old = self.procs.get(name)
-        if old is not None and old.poll() is None:
+        if not self.claim(name):
             return
-        self.expected_exit.discard(name)
-        self.log_files[name] = self.logs / f"{name}.log"
         log = self.log_files[name].open("a", encoding="utf-8")
         raw = args[0] in ("-m", "-c")  # a module or a program, else a ddiloco command
         argv = [sys.executable, *(args if raw else ["-m", "ddiloco.cli", *args])]

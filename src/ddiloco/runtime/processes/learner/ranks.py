@@ -36,6 +36,8 @@ class RankGroup:
             cuda = pick_device(device).type == "cuda"
             if cuda:
                 local = int(os.environ.get("LOCAL_RANK", "0"))
+                if local >= torch.cuda.device_count():  # it sees only its own GPU (a Ray
+                    local = 0  # rank actor: Ray sets CUDA_VISIBLE_DEVICES per actor)
                 torch.cuda.set_device(local)
                 self.device = torch.device("cuda", local)
             dist.init_process_group("nccl" if cuda else "gloo")

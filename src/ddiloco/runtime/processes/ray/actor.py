@@ -58,6 +58,44 @@ class Lines:
             return taken
 
 
+class Inbox:
+    """The hosted service's stdin: a warm spare (``ddiloco learner --spare``) blocks on
+    :meth:`readline` until the driver hands it a slot (:meth:`ServiceHost.order`); closed
+    (end of input, ``""``) when the run stops it."""
+
+    def __init__(self) -> None:
+        self._text: list[str] = []
+        self._closed = False
+        self._waiting = 0
+        self._cond = threading.Condition()
+
+    def put(self, text: str) -> None:
+        with self._cond:
+            self._text.append(text)
+            self._cond.notify_all()
+
+    def close(self) -> bool:
+        """End of input; True if a reader was waiting (it heard it)."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+            return self._waiting > 0
+
+    def readline(self) -> str:
+        with self._cond:
+            self._waiting += 1
+            while not self._closed and "\n" not in "".join(self._text):
+                self._cond.wait()
+            self._waiting -= 1
+            text = "".join(self._text)
+            line, newline, rest = text.partition("\n")
+            self._text = [rest] if rest else []
+            return line + newline  # "" at the end of input
+
+    def isatty(self) -> bool:
+        return False
+
+
 class Relay:
     """A text stream that hands every complete line to :class:`Lines` (and, for stderr, to
     the worker's own log too, where Ray keeps it)."""
@@ -118,6 +156,8 @@ class ServiceHost:
         self.lines = Lines()
         sys.stdout = Relay(self.lines, OUT)
         sys.stderr = Relay(self.lines, ERR, tee=sys.__stderr__)
+        self.inbox = Inbox()
+        sys.stdin = self.inbox  # a spare's order comes here
         self.address: str | None = None  # a syncer's, once its command is placed
         self.runs = 0
         # warm: Ray starts a restarted actor's process at once, so the imports (torch: seconds)
@@ -177,15 +217,29 @@ class ServiceHost:
             sys.stderr.flush()
             terminate.forget()
 
+    def free_port(self) -> int:
+        """A port free on this node now (a rank group's rendezvous, on rank 0's node)."""
+        import socket
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return int(s.getsockname()[1])
+
     def drain(self, timeout: float) -> list[tuple[str, str]]:
         """The lines written since the last drain (waiting up to ``timeout`` for one)."""
         return self.lines.take(timeout)
 
+    def order(self, text: str) -> bool:
+        """Text for the hosted service's stdin (a warm spare's slot: one JSON line)."""
+        self.inbox.put(text)
+        return True
+
     def terminate(self) -> int:
-        """A clean stop of the hosted service (its SIGTERM handler); how many heard it."""
+        """A clean stop of the hosted service (its SIGTERM handler; a spare's end of input);
+        how many heard it."""
         from ddiloco.runtime.processes import terminate
 
-        return terminate.terminate()
+        return int(self.inbox.close()) + terminate.terminate()
 
 
 def syncer_address(name: str, namespace: str, timeout: float = 60.0) -> str:

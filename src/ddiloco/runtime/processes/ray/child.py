@@ -21,7 +21,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import ray
 from ray.exceptions import ActorDiedError, GetTimeoutError, RayActorError, RayError
@@ -32,6 +32,28 @@ from ddiloco.runtime.processes.transport.events import EVENT_PREFIX
 DIED = -int(signal.SIGKILL)  # the exit code of a life that ended with its actor's death
 DRAIN_SECONDS = 0.2  # how long one drain call waits for a line
 RETRY_SECONDS = 0.2  # between two asks of an actor Ray is restarting
+ORDER_SECONDS = 10.0  # for the actor to take a spare's order
+
+
+class ActorStdin:
+    """A life's stdin, as a pipe's writing end: what is written reaches the hosted service's
+    stdin (:meth:`~.actor.ServiceHost.order`) when it is closed. Raises :class:`OSError`
+    if the actor cannot take it (dead), as a pipe whose reader died."""
+
+    def __init__(self, actor: Any) -> None:
+        self.actor = actor
+        self._text: list[str] = []
+
+    def write(self, text: str) -> int:
+        self._text.append(text)
+        return len(text)
+
+    def close(self) -> None:
+        text, self._text = "".join(self._text), []
+        try:
+            ray.get(self.actor.order.remote(text), timeout=ORDER_SECONDS)
+        except RayError as exc:
+            raise OSError(f"the actor took no input: {type(exc).__name__}") from exc
 
 
 class ActorChild:
@@ -39,19 +61,26 @@ class ActorChild:
 
     ``submit`` makes the call; ``avoid_pid``: the worker of the life killed before this
     one, which may still answer for a moment (this life starts on the process Ray put in
-    its place)."""
+    its place); ``stdin``: the life reads its stdin (a warm spare: :class:`ActorStdin`)."""
 
     def __init__(
-        self, name: str, actor: Any, submit: Callable[[], Any], avoid_pid: int = -1
+        self,
+        name: str,
+        actor: Any,
+        submit: Callable[[], Any],
+        avoid_pid: int = -1,
+        stdin: bool = False,
     ) -> None:
         self.name = name
         self.actor = actor
+        self.stdin = ActorStdin(actor) if stdin else None
         self.submit = submit
         self.avoid_pid = avoid_pid
         self.ref: Any = None  # the run call, once placed
         self.returncode: int | None = None
         self.where: dict[str, Any] | None = None  # pid, node, ip, once placed
         self.error = ""  # why the life ended, when Ray says
+        self.gone = False  # its actor is dead for good (Ray will not restart it)
         self._done = threading.Event()
 
     @property
@@ -92,9 +121,17 @@ class ActorChild:
             return 1
 
     def place(self, place_seconds: float, quiet_wait: bool) -> bool:
-        """Wait until the actor answers from a new worker, then start the life; False if
-        the actor is gone for good. Reported on stderr each ``place_seconds`` it waits
-        (once for a scavenged slot, ``quiet_wait``: it waits for capacity by design)."""
+        """Wait until the actor answers from a new worker (:meth:`locate`), then start the
+        life; False if the actor is gone for good."""
+        if not self.locate(place_seconds, quiet_wait):
+            return False
+        self.ref = self.submit()
+        return True
+
+    def locate(self, place_seconds: float, quiet_wait: bool) -> bool:
+        """Wait until the actor answers from a new worker (``where``); False if the actor is
+        gone for good. Reported on stderr each ``place_seconds`` it waits (once for a
+        scavenged slot, ``quiet_wait``: it waits for capacity by design)."""
         waited = 0.0
         while self.returncode is None:
             try:
@@ -110,6 +147,7 @@ class ActorChild:
                     )
                 continue
             except ActorDiedError as exc:
+                self.gone = True
                 self.end(DIED, f"its actor is gone: {type(exc).__name__}")
                 return False
             except RayActorError:  # restarting: ask the new worker
@@ -119,33 +157,59 @@ class ActorChild:
                 time.sleep(RETRY_SECONDS)
                 continue
             self.where = where
-            self.ref = self.submit()
             return True
         return False
 
+    def lives(self) -> list[ActorChild]:
+        """The actor lives this child is (one; a learner's ranks are several)."""
+        return [self]
+
+    def drain(self) -> list[tuple[str, str]] | None:
+        """The lines the life wrote since the last drain; None if its actor did not answer
+        (dead, its undrained lines with it, or frozen)."""
+        if self.returncode == DIED:  # (a restarting actor would answer seconds later)
+            return None
+        try:
+            lines: list[tuple[str, str]] = ray.get(
+                self.actor.drain.remote(DRAIN_SECONDS), timeout=10.0
+            )
+        except (RayActorError, GetTimeoutError):
+            return None
+        return lines
+
+
+class Life(Protocol):
+    """What :func:`relay` reads: an :class:`ActorChild`, or a learner's ranks
+    (:class:`~.ranks.RankLives`)."""
+
+    name: str
+    error: str
+
+    @property
+    def where(self) -> dict[str, Any] | None: ...
+    def place(self, place_seconds: float, quiet_wait: bool) -> bool: ...
+    def poll(self) -> int | None: ...
+    def drain(self) -> list[tuple[str, str]] | None: ...
+
 
 def relay(
-    child: ActorChild,
+    child: Life,
     events: queue.SimpleQueue[tuple[str, dict[str, Any]]],
     log: Path,
     place_seconds: float,
     quiet_wait: bool,
+    retire: Callable[[Any], None],
 ) -> None:
     """The reader of one life (run it on a thread): place it (a ``started`` event), then move
     its lines into ``events`` (``@event`` lines) and ``log`` (its stderr) until the life
-    ended and nothing is left."""
+    ended (then once more: its last lines); then ``retire(child)`` (its actors' processes)."""
     with log.open("a", encoding="utf-8") as out:
         if child.place(place_seconds, quiet_wait):
             where = child.where or {}
             events.put((child.name, {"kind": "started", "process": child.name, **where}))
             while True:
                 ended = child.poll() is not None
-                try:
-                    lines = ray.get(child.actor.drain.remote(DRAIN_SECONDS), timeout=10.0)
-                except (RayActorError, GetTimeoutError):
-                    lines = []  # dead (its undrained lines with it), or frozen: ask again
-                    if ended:
-                        break
+                lines = child.drain() or []  # (None: dead, or frozen: ask again)
                 for stream, line in lines:
                     if stream == OUT and line.startswith(EVENT_PREFIX):
                         with contextlib.suppress(json.JSONDecodeError):
@@ -153,7 +217,8 @@ def relay(
                     elif stream == ERR:
                         out.write(line + "\n")
                 out.flush()
-                if ended and not lines:
+                if ended:  # its last lines are in: what its threads write after is noise
                     break
         if child.error:
             out.write(f"ddiloco: {child.name}: {child.error}\n")
+    retire(child)

@@ -38,7 +38,9 @@ class Cluster:
     local: bool
 
     @classmethod
-    def join(cls, config: RunConfig, slots: int) -> Cluster:
+    def join(cls, config: RunConfig, actors: int) -> Cluster:
+        """Join ``ray.address`` (or ``$RAY_ADDRESS``), else start a local cluster with room for
+        the syncer and ``actors`` learner-sized actors (ranks and spares included)."""
         ray = ray_module()
         rc = config.ray
         address = rc.address or os.environ.get("RAY_ADDRESS", "")
@@ -51,10 +53,10 @@ class Cluster:
             except Exception as exc:  # ConnectionError, or Ray's own
                 raise ConfigError("ray.address", address, f"cannot join: {exc}") from exc
             cluster = cls(address, local=False)
-            cluster.check(config, slots)
+            cluster.check(config)
             return cluster
         resources = {rc.syncer_resource: 1.0} if rc.syncer_resource else {}
-        cpus = rc.syncer_cpus + rc.learner_cpus * slots
+        cpus = rc.syncer_cpus + rc.learner_cpus * actors  # a local cluster fits the run
         ray.init(
             num_cpus=max(1, int(cpus + 0.999)),
             resources=resources,
@@ -64,7 +66,7 @@ class Cluster:
         )
         return cls("local", local=True)
 
-    def check(self, config: RunConfig, slots: int) -> None:
+    def check(self, config: RunConfig) -> None:
         """Refuse a cluster with no node for the syncer; warn of too few GPUs."""
         import ray
 

@@ -18,18 +18,29 @@ with ``max_restarts=-1``, so a learner's death costs only that learner.
   scavenged slot (``train.scavenged``) the plan does not start is asked for at once and
   placed when a node with capacity joins; a node that leaves takes its actors with it, and
   Ray places them again where there is room.
-- Not yet: link faults and wire faults (``processes.proxy``), ``processes.ranks`` > 1, warm
-  spares. A plan's link faults are recorded as skipped.
+- Warm spares (``processes.spares``) are actors too: each has imported torch and read the
+  data, and takes a dead learner's slot in about a second (its order reaches the spare's
+  stdin through :meth:`~.actor.ServiceHost.order`); the dead learner's actor is then killed
+  for good rather than restarted.
+- A learner of several ranks (``processes.ranks`` > 1) is one placement group of rank
+  actors running torch.distributed inside, only rank 0 talking to the syncer (:mod:`.ranks`).
+- Not yet: link faults and wire faults (``processes.proxy``). A plan's link faults are
+  recorded as skipped.
 """
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import threading
 from typing import Any
 
 import ray
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+from ray.util.placement_group import remove_placement_group
+from ray.util.scheduling_strategies import (
+    NodeAffinitySchedulingStrategy,
+    PlacementGroupSchedulingStrategy,
+)
 
 from ddiloco.chaos.plan import ChaosEvent, chaos_record
 from ddiloco.config import RunConfig
@@ -40,6 +51,7 @@ from ddiloco.runtime.processes.launcher.link_faults import LINK_KINDS
 from ddiloco.runtime.processes.ray.actor import NODE, RAY_SYNCER, SIGNALS, ServiceActor, send_signal
 from ddiloco.runtime.processes.ray.child import DIED, ActorChild, relay
 from ddiloco.runtime.processes.ray.cluster import LOCAL_IP, Cluster
+from ddiloco.runtime.processes.ray.ranks import RankLives, rank_group
 from ddiloco.runtime.processes.transport.sockets import SECRET_ENV, parse_address
 
 NOT_ON_RAY = "not played by the Ray runtime yet (its links do not cross a fault proxy)"
@@ -54,16 +66,15 @@ class RayLauncher(Launcher):
     @staticmethod
     def refuse(config: RunConfig, method: str) -> None:
         Launcher.refuse(config, method)
-        if config.processes.ranks > 1:
-            why = "a learner of several ranks (a placement group of rank actors) is not built yet"
-            raise ConfigError("processes.ranks", config.processes.ranks, why)
         if config.processes.proxy:
             why = "the fault-injecting proxy is not placed on Ray yet: run --runtime processes"
             raise ConfigError("processes.proxy", config.processes.proxy, why)
 
     def connect(self) -> None:
         config = self.config
-        self.cluster = Cluster.join(config, self.config.train.learners + config.train.scavenged)
+        train, processes = config.train, config.processes
+        actors = (train.learners + train.scavenged) * processes.ranks + processes.spares
+        self.cluster = Cluster.join(config, actors)
         _, port = parse_address(config.processes.bind, "processes.bind")
         # the syncer binds its own node's address; a port the driver found free is a guess
         # on another host: a multi-host cluster names one in processes.bind
@@ -72,11 +83,8 @@ class RayLauncher(Launcher):
         self.learner_address = f"{RAY_SYNCER}{self.actor_name(SYNCER)}"
         self.links = None
         self.actors: dict[str, Any] = {}
+        self.groups: dict[str, tuple[Any, list[Any]]] = {}  # a ranked slot's group, actors
         self._config_text: str | None = None
-
-    def prepare(self) -> None:
-        super().prepare()
-        self.spares.count = 0  # a restarted actor is warm already (it imports when built)
 
     def learner_gpus(self) -> dict[int, str]:
         return {}  # Ray hands each learner actor its own (num_gpus)
@@ -85,6 +93,9 @@ class RayLauncher(Launcher):
         return f"{self.run_id}-{name}"
 
     # -- children ---------------------------------------------------------------------------
+    def ranked(self, cmd: list[str]) -> list[str]:
+        return cmd  # a learner's ranks are actors of their own (:mod:`.ranks`), no torchrun
+
     def _spawn(
         self,
         name: str,
@@ -93,37 +104,65 @@ class RayLauncher(Launcher):
         env: dict[str, str] | None = None,
     ) -> None:
         old = self.procs.get(name)
-        if old is not None and old.poll() is None:
+        if not self.claim(name):
             return
-        self.expected_exit.discard(name)
-        actor = self.actors.get(name)
-        if actor is None:
-            actor = self.actors[name] = self._new_actor(name)
         if self._config_text is None:
             self._config_text = self.config_path.read_text(encoding="utf-8")
         if name.startswith("learner-") and self.host != NODE:
             args = [*args, "--peer-host", self.host]
         child_env = {SECRET_ENV: self.env[SECRET_ENV], "PYTHONUNBUFFERED": "1", **(env or {})}
         text, namespace = self._config_text, self.config.ray.namespace
-        child = ActorChild(
-            name,
-            actor,
-            lambda: actor.run.remote(args, text, child_env, namespace),
-            avoid_pid=old.pid if isinstance(old, ActorChild) else -1,
-        )
+        child: ActorChild | RankLives
+        if name.startswith("learner-") and self.config.processes.ranks > 1:
+            actors = self._rank_actors(name, old if isinstance(old, RankLives) else None)
+            pids = old.pids if isinstance(old, RankLives) else [-1] * len(actors)
+            child = RankLives(
+                name,
+                actors,
+                lambda r, rank_env: actors[r].run.remote(
+                    args, text, {**child_env, **rank_env}, namespace
+                ),
+                avoid_pids=pids,
+            )
+        else:
+            actor = self.actors.get(name)
+            if actor is None or (isinstance(old, ActorChild) and old.gone):  # (dead for good)
+                actor = self.actors[name] = self._new_actor(name)
+            child = ActorChild(
+                name,
+                actor,
+                lambda: actor.run.remote(args, text, child_env, namespace),
+                # a life that exited cleanly leaves its process to the next (else replaced)
+                avoid_pid=old.pid if isinstance(old, ActorChild) and old.returncode else -1,
+                stdin=control,  # a spare's: its slot comes as one line
+            )
         self.procs[name] = child  # type: ignore[assignment]  # a Popen to the supervisor
         self.policy.started(name)
         scavenged = self._slot(name) >= self.config.train.learners
         reader = threading.Thread(
             target=relay,
-            args=(child, self.events, self.logs / f"{name}.log", self.config.ray.place_seconds),
-            kwargs={"quiet_wait": scavenged},
+            args=(child, self.events, self.log_files[name], self.config.ray.place_seconds),
+            kwargs={"quiet_wait": scavenged, "retire": self._retire},
             daemon=True,
         )
         self.readers[name] = reader
         reader.start()
 
-    def _new_actor(self, name: str) -> Any:
+    def _retire(self, child: ActorChild | RankLives) -> None:
+        """A life ended in its actors: nothing of it may go on running there (a crashed
+        learner's threads would keep talking to the syncer, a crashed syncer's would hold its
+        port, a rank's process group cannot be set up twice in one process), so the
+        processes of a life that failed, or of a learner's ranks, are replaced: Ray restarts
+        those actors. Not once the run is over (its actors are killed for good)."""
+        if self.finished.is_set():
+            return
+        for life in child.lives():
+            if life.gone or life.returncode == DIED:  # (dead already)
+                continue
+            if life.returncode != 0 or isinstance(child, RankLives):
+                ray.kill(life.actor, no_restart=False)
+
+    def _new_actor(self, name: str, strategy: Any = None) -> Any:
         ray_config = self.config.ray
         options: dict[str, Any] = {
             "name": self.actor_name(name),
@@ -136,13 +175,43 @@ class RayLauncher(Launcher):
             if ray_config.syncer_resource:
                 options["resources"] = {ray_config.syncer_resource: 0.01}
         else:
+            ranks = self.config.processes.ranks if strategy is not None else 1
             options["num_cpus"] = ray_config.learner_cpus
-            options["num_gpus"] = gpus_each(self.config)
+            options["num_gpus"] = gpus_each(self.config) / ranks
+        if strategy is not None:
+            options["scheduling_strategy"] = strategy
         return ServiceActor.options(**options).remote(name)
+
+    def _rank_actors(self, name: str, old: RankLives | None) -> list[Any]:
+        """Slot ``name``'s rank actors, each in its bundle of the slot's placement group
+        (made once: Ray restarts them, and places the group again if its node dies; an
+        actor the last life found dead for good is replaced in its bundle)."""
+        ranks = self.config.processes.ranks
+        if name not in self.groups:
+            bundle = {"CPU": self.config.ray.learner_cpus}
+            gpus = gpus_each(self.config) / ranks
+            if gpus:
+                bundle["GPU"] = gpus
+            self.groups[name] = (rank_group(ranks, bundle), [None] * ranks)
+        group, actors = self.groups[name]
+        for r in range(ranks):
+            if actors[r] is None or (old is not None and old.ranks[r].gone):
+                in_bundle = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=r)
+                actors[r] = self._new_actor(f"{name}.rank{r}", in_bundle)
+        return actors
 
     @staticmethod
     def _slot(name: str) -> int:
         return int(name.split("-")[1]) if name.startswith("learner-") else -1
+
+    def rename(self, old: str, new: str) -> None:
+        """A spare's actor takes the slot ``new``; the slot's last actor (Ray may be
+        restarting it) is killed for good: the pool starts a new spare later."""
+        super().rename(old, new)
+        gone = self.actors.pop(new, None)
+        self.actors[new] = self.actors.pop(old)
+        if gone is not None:
+            ray.kill(gone, no_restart=True)
 
     def handle(self, name: str, record: dict[str, Any]) -> None:
         if record.get("kind") == "started":  # the reader learnt where the actor was placed
@@ -151,39 +220,58 @@ class RayLauncher(Launcher):
         super().handle(name, record)
 
     def signal(self, name: str, sig: int) -> bool:
-        """``sig`` to one of our actors: SIGKILL kills it (Ray restarts it, but not at the
-        end of the run), SIGTERM is its service's clean stop, SIGSTOP/SIGCONT reach its
-        worker process through a task pinned to its node."""
+        """``sig`` to one of our actors (every rank's, for a learner of several): SIGKILL
+        kills it (Ray restarts it, but not at the end of the run), SIGTERM is its service's
+        clean stop, SIGSTOP/SIGCONT reach its worker process through a task pinned to its
+        node."""
         child = self.procs.get(name)
-        if not isinstance(child, ActorChild):
+        if not isinstance(child, ActorChild | RankLives):
             return super().signal(name, sig)
         if child.poll() is not None:
             return False
+        lives = child.lives()
         if sig in (signal.SIGKILL, signal.SIGTERM):  # an exit we asked for
             self.expected_exit.add(name)
         if sig == signal.SIGTERM and child.where is None:  # never placed: nothing to stop
             sig = signal.SIGKILL
         if sig == signal.SIGKILL:
-            ray.kill(child.actor, no_restart=self.finished.is_set())
+            # a ready spare will take a learner's slot: no restart of its actor to pay for
+            spared = name.startswith("learner-") and bool(self.spares.ready)
+            for life in lives:
+                ray.kill(life.actor, no_restart=self.finished.is_set() or spared)
+            if spared:
+                self.actors.pop(name, None)  # (a new one, if the spare is gone by then)
             child.end(DIED, "killed")  # (Ray says so a second later: the next life may start)
             return True
         if sig == signal.SIGTERM:
-            try:
-                heard = ray.get(child.actor.terminate.remote(), timeout=SIGNAL_SECONDS)
-            except ray.exceptions.RayError:
-                heard = 0
+            heard = 0
+            for life in lives:
+                with contextlib.suppress(ray.exceptions.RayError):
+                    heard += ray.get(life.actor.terminate.remote(), timeout=SIGNAL_SECONDS)
             if not heard:  # not serving yet (still importing): a stop is then a kill
-                ray.kill(child.actor, no_restart=self.finished.is_set())
+                for life in lives:
+                    ray.kill(life.actor, no_restart=self.finished.is_set())
                 child.end(DIED, "stopped before it served")
             return True
-        if sig not in SIGNALS or child.where is None:
+        if sig not in SIGNALS or any(life.where is None for life in lives):
             return False
-        on_its_node = NodeAffinitySchedulingStrategy(child.where["node"], soft=False)
-        task = send_signal.options(scheduling_strategy=on_its_node).remote(child.pid, sig)
+        tasks = [
+            send_signal.options(
+                scheduling_strategy=NodeAffinitySchedulingStrategy(life.where["node"], soft=False)
+            ).remote(life.pid, sig)
+            for life in lives
+            if life.where is not None
+        ]
         try:
-            return bool(ray.get(task, timeout=SIGNAL_SECONDS))
+            return all(ray.get(tasks, timeout=SIGNAL_SECONDS))
         except ray.exceptions.RayError:
             return False
+
+    def ask_to_stop(self, name: str) -> None:
+        child = self.procs.get(name)
+        if isinstance(child, ActorChild | RankLives):
+            for life in child.lives():
+                life.actor.terminate.remote()  # (its answer is not awaited)
 
     # -- chaos ------------------------------------------------------------------------------
     def play(self, event: ChaosEvent) -> None:
@@ -202,3 +290,7 @@ class RayLauncher(Launcher):
         super().shutdown()
         for actor in self.actors.values():
             ray.kill(actor, no_restart=True)
+        for group, actors in self.groups.values():
+            for actor in actors:
+                ray.kill(actor, no_restart=True)
+            remove_placement_group(group)

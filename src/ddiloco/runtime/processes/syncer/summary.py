@@ -37,6 +37,7 @@ def service_summary(svc: SyncerService, final: float, now: float) -> dict[str, A
         "tokens_carried": ledger["tokens_carried"],
         "ledger_balanced": ledger["balanced"] and not svc.ledger.errors,
         "ledger_errors": svc.ledger.errors,
+        "ledger_contradictions": svc.ledger.contradictions,
         "ledger_restart": dict(svc.ledger.restart),
         "goodput": fragment_goodput(svc.tokens, wasted, lost_capacity),
         "uptime": svc.attendance.uptime.share(now),
