@@ -134,11 +134,9 @@ class LocalCluster:
         return alive
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    """One cluster for the module's tests (each run is its own: actors and placement groups
-    are killed at its end); nodes a test adds stay for the next."""
-    c = LocalCluster(tmp_path_factory.mktemp("ray"))
+@pytest.fixture
+def cluster(tmp_path):
+    c = LocalCluster(tmp_path)
     try:
         c.start("head", cpus=1, resources={"ddiloco_syncer": 1})
         c.start("a", cpus=2)
@@ -171,7 +169,7 @@ def test_a_ray_run_survives_a_killed_and_a_frozen_learner_and_nodes_coming_and_g
             f"ray.address='{cluster.address}'",
             "ray.service_host='127.0.0.1'",
             "train.scavenged=1",
-            "train.tokens=800000",  # (an idle machine trains 600K before node b's learner)
+            "train.tokens=600000",
             "train.eval_every=200000",
             "processes.max_wall_seconds=240",
             "chaos=[{at=20.0,kind='crash',learner=0,duration=1.0},"
@@ -206,7 +204,7 @@ def test_a_ray_run_survives_a_killed_and_a_frozen_learner_and_nodes_coming_and_g
     rs = records(out)
     events = [r for r in rs if r["kind"] not in ("step", "round", "eval")]  # (for a failure)
     assert summary["runtime"] == "ray"
-    assert summary["tokens"] >= 800000
+    assert summary["tokens"] >= 600000
     assert state["added"] is not None and state["removed"] is not None, state
     # the killed learner came back through a peer copy, on the actor Ray restarted
     assert any(r["kind"] == "recovered" and r["learner"] == 0 for r in rs), events
@@ -241,7 +239,7 @@ def test_a_ray_run_survives_a_killed_and_a_frozen_learner_and_nodes_coming_and_g
 
 def test_a_warm_spare_actor_takes_a_killed_learners_slot(tmp_path, cluster):
     cluster.start("c", cpus=1)  # room for the spare next to learners 0-1
-    cluster.wait_nodes(3)  # live ones (node b was added and lost by the test above)
+    cluster.wait_nodes(3)
     config = load_config(
         None,
         [
