@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 from bases import SMALL
+from hooks import kill_then_stop
 
 from ddiloco.commands.train import train
 from ddiloco.config import RunConfig, load_config
@@ -94,21 +95,7 @@ def test_the_final_rounds_merge_what_every_learner_trained_since_its_last_answer
 def test_a_learner_killed_mid_run_recovers_from_a_peer_while_the_other_keeps_stepping(
     tmp_path, launch, apply
 ):
-    state: dict[str, Any] = {"rounds": 0}
-
-    def hook(launcher: Launcher, r: dict[str, Any]) -> None:
-        if r["kind"] == "round":
-            state["rounds"] += 1
-        ready = state["rounds"] >= 3  # it has pushed answers; some may be on the wire
-        if r["kind"] == "step" and r["learner"] == 1 and "killed" not in state and ready:
-            state["killed"] = launcher.play_crash(1, down_seconds=0.5)
-        if r["kind"] == "recovered" and r["learner"] == 1:
-            state["recovered"] = r
-        if "recovered" in state and r["kind"] == "step" and r["learner"] == 1:
-            state["after"] = state.get("after", 0) + 1
-            if state["after"] == 40:
-                launcher.request_stop()
-
+    hook, state = kill_then_stop(1, down=0.5)
     summary, records = launch(
         config("train.tokens=10000000", f"sync.apply='{apply}'"), tmp_path, hook
     )

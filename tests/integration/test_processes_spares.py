@@ -3,30 +3,15 @@ imported torch and read the data already; it copies a peer and contributes again
 
 from __future__ import annotations
 
-from typing import Any
-
 import psutil
+from hooks import kill_then_stop
 from test_processes import config, steps_of
-
-from ddiloco.runtime.processes.launcher.fragments import Launcher
 
 
 def test_a_killed_learners_slot_is_taken_by_a_warm_spare_that_copies_a_peer(tmp_path, launch):
-    state: dict[str, Any] = {"rounds": 0, "ready": 0}
-
-    def hook(launcher: Launcher, r: dict[str, Any]) -> None:
-        if r["kind"] == "round":
-            state["rounds"] += 1
-        ready = state["rounds"] >= 3 and len(launcher.spares.ready) == 1
-        if r["kind"] == "step" and r["learner"] == 1 and "killed" not in state and ready:
-            state["killed"] = launcher.play_crash(1, down_seconds=0.2)
-        if r["kind"] == "recovered" and r["learner"] == 1:
-            state["recovered"] = r
-        if "recovered" in state and r["kind"] == "step" and r["learner"] == 1:
-            state["after"] = state.get("after", 0) + 1
-            if state["after"] == 40:
-                launcher.request_stop()
-
+    hook, state = kill_then_stop(
+        1, down=0.2, ready=lambda launcher: len(launcher.spares.ready) == 1
+    )
     summary, records = launch(config("train.tokens=10000000", "processes.spares=1"), tmp_path, hook)
     spares = [r for r in records if r["kind"] == "started" and r["process"].startswith("spare")]
     first_spare = spares[0]

@@ -21,10 +21,11 @@ from typing import Any
 import psutil
 import pytest
 from bases import SMALL, TINY
+from hooks import stop_after_recovery
 from rundir import records
 
 from ddiloco.commands.train import train
-from ddiloco.config import load_config
+from ddiloco.config import RunConfig, load_config
 
 RAY = str(Path(sys.executable).with_name("ray"))
 # the cluster's processes and this driver share one token (Ray's token authentication); Ray
@@ -157,17 +158,20 @@ def watch(run: Path, until: threading.Event, act) -> None:  # type: ignore[no-un
         time.sleep(0.5)
 
 
+def on_cluster(cluster: LocalCluster, overrides: list[str]) -> RunConfig:
+    """A Ray run's config on ``cluster`` (ddiloco's own sockets on loopback)."""
+    ray_at = ["runtime='ray'", f"ray.address='{cluster.address}'", "ray.service_host='127.0.0.1'"]
+    return load_config(None, [*overrides, *ray_at])  # (after the bases: they name a runtime)
+
+
 def test_a_ray_run_survives_a_killed_and_a_frozen_learner_and_nodes_coming_and_going(
     tmp_path, cluster
 ):
     out = tmp_path / "run"
-    config = load_config(
-        None,
+    config = on_cluster(
+        cluster,
         [
             *SMALL,
-            "runtime='ray'",
-            f"ray.address='{cluster.address}'",
-            "ray.service_host='127.0.0.1'",
             "train.scavenged=1",
             "train.tokens=600000",
             "train.eval_every=200000",
@@ -240,13 +244,10 @@ def test_a_ray_run_survives_a_killed_and_a_frozen_learner_and_nodes_coming_and_g
 def test_a_warm_spare_actor_takes_a_killed_learners_slot(tmp_path, cluster):
     cluster.start("c", cpus=1)  # room for the spare next to learners 0-1
     cluster.wait_nodes(3)
-    config = load_config(
-        None,
+    config = on_cluster(
+        cluster,
         [
             *SMALL,
-            "runtime='ray'",
-            f"ray.address='{cluster.address}'",
-            "ray.service_host='127.0.0.1'",
             "processes.spares=1",
             "train.tokens=10000000",
             "processes.max_wall_seconds=180",
@@ -260,16 +261,11 @@ def test_a_warm_spare_actor_takes_a_killed_learners_slot(tmp_path, cluster):
         if ready and "killed" not in state and r["kind"] == "step" and r["learner"] == 0:
             state["actor"] = launcher.actors["learner-0"]
             state["killed"] = launcher.play_crash(0, down_seconds=0.2)
-        if r["kind"] == "recovered" and r["learner"] == 0 and "killed" in state:
-            state["recovered"] = r
+        if stop_after_recovery(launcher, r, state, steps=30):
             try:  # the killed actor is not restarted (it would import torch for nothing)
                 ray.get(state["actor"].where.remote(), timeout=20)
             except ray.exceptions.RayActorError as exc:
                 state["gone"] = type(exc).__name__
-        if "recovered" in state and r["kind"] == "step" and r["learner"] == 0:
-            state["after"] += 1
-            if state["after"] == 30:
-                launcher.request_stop()
 
     rs: list[dict[str, Any]] = []
     summary = RayLauncher(config, "decoupled", tmp_path / "run", rs.append, hooks=[hook]).run()
@@ -290,13 +286,10 @@ def test_a_warm_spare_actor_takes_a_killed_learners_slot(tmp_path, cluster):
 
 
 def test_a_learner_of_two_ranks_is_a_placement_group_that_restarts_whole(tmp_path, cluster):
-    config = load_config(
-        None,
+    config = on_cluster(
+        cluster,
         [
             *TINY,
-            "runtime='ray'",
-            f"ray.address='{cluster.address}'",
-            "ray.service_host='127.0.0.1'",
             "ray.learner_cpus=0.5",  # 2 learners x 2 ranks on node a's 2 CPUs
             "processes.ranks=2",
             "train.batch_size=2",
@@ -316,12 +309,7 @@ def test_a_learner_of_two_ranks_is_a_placement_group_that_restarts_whole(tmp_pat
             _, actors = launcher.groups["learner-0"]
             ray.kill(actors[1], no_restart=False)  # rank 1 alone dies (Ray restarts it)
             state["killed"] = launcher.now()
-        if r["kind"] == "recovered" and r["learner"] == 0 and "killed" in state:
-            state["recovered"] = r
-        if "recovered" in state and r["kind"] == "step" and r["learner"] == 0:
-            state["after"] += 1
-            if state["after"] == 20:
-                launcher.request_stop()
+        stop_after_recovery(launcher, r, state, steps=20)
 
     rs: list[dict[str, Any]] = []
     launcher = RayLauncher(config, "decoupled", tmp_path / "run", rs.append, hooks=[hook])

@@ -1,0 +1,45 @@
+"""Launcher hooks the kill-and-recover tests share: kill a learner once the run is under way,
+note its recovery, stop the run once it has trained a while after it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+
+def stop_after_recovery(
+    launcher: Any, r: dict[str, Any], state: dict[str, Any], steps: int, learner: int = 0
+) -> bool:
+    """A hook's end: once ``learner``, killed (``state["killed"]``), has recovered, stop the
+    run after it trained ``steps`` steps more; True on the ``recovered`` record itself."""
+    if r["kind"] == "recovered" and r["learner"] == learner and "killed" in state:
+        state["recovered"] = r
+        return True
+    if "recovered" in state and r["kind"] == "step" and r["learner"] == learner:
+        state["after"] = state.get("after", 0) + 1
+        if state["after"] == steps:
+            launcher.request_stop()
+    return False
+
+
+def kill_then_stop(
+    learner: int,
+    down: float,
+    steps: int = 40,
+    rounds: int = 3,
+    ready: Callable[[Any], bool] = lambda launcher: True,
+) -> tuple[Callable[[Any, dict[str, Any]], None], dict[str, Any]]:
+    """A hook that SIGKILLs ``learner`` at one of its steps once ``rounds`` rounds merged (it
+    has pushed answers; some may be on the wire) and ``ready(launcher)``, restarting it after
+    ``down`` s, then stops the run ``steps`` steps after its recovery; and the state it fills
+    (``killed``: the kill's time, ``recovered``: the record)."""
+    state: dict[str, Any] = {"rounds": 0}
+
+    def hook(launcher: Any, r: dict[str, Any]) -> None:
+        state["rounds"] += r["kind"] == "round"
+        due = state["rounds"] >= rounds and "killed" not in state and ready(launcher)
+        if due and r["kind"] == "step" and r["learner"] == learner:
+            state["killed"] = launcher.play_crash(learner, down_seconds=down)
+        stop_after_recovery(launcher, r, state, steps, learner)
+
+    return hook, state
