@@ -1,7 +1,7 @@
 """The Ray runtime on a real local Ray cluster: a head and worker nodes started as separate
 ``ray start`` processes on 127.0.0.1, learners as actors that are killed, frozen, placed on
-a node that joins (Ray picks which pending learner) and lost with it when it leaves; every Ray
-process stopped by PID."""
+a node that joins (Ray picks which pending learner) and lost with it (the chaos plan's
+``node_loss``); every Ray process stopped by PID."""
 
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ import shutil
 import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -24,6 +23,7 @@ from bases import SMALL, TINY
 from hooks import stop_after_recovery
 from rundir import records
 
+from ddiloco.chaos.plan import ChaosEvent
 from ddiloco.commands.train import train
 from ddiloco.config import RunConfig, load_config
 
@@ -108,13 +108,6 @@ class LocalCluster:
                 found += [p for p in tree if p.status() != psutil.STATUS_ZOMBIE]
         return found
 
-    def kill_node(self, name: str) -> None:
-        """A node lost: SIGKILL every process under it (raylet, workers) at once."""
-        for proc in self.descendants(name):
-            with contextlib.suppress(psutil.NoSuchProcess):
-                proc.kill()
-        self.nodes[name].wait(timeout=10)
-
     def stop(self) -> list[int]:
         """Kill every process of every node we started; returns any still alive."""
         procs = self.descendants()
@@ -148,24 +141,29 @@ def cluster(tmp_path):
         assert not left, f"Ray processes left behind: {left}"
 
 
-def watch(run: Path, until: threading.Event, act) -> None:  # type: ignore[no-untyped-def]
-    """Call ``act(records)`` with the run's records twice a second until ``until``."""
-    while not until.is_set():
-        path = run / "metrics.jsonl"
-        if path.exists():
-            lines = path.read_text(encoding="utf-8").splitlines()
-            act([json.loads(line) for line in lines[:-1] if line.strip()])  # (last: partial)
-        time.sleep(0.5)
-
-
 def on_cluster(cluster: LocalCluster, overrides: list[str]) -> RunConfig:
     """A Ray run's config on ``cluster`` (ddiloco's own sockets on loopback)."""
     ray_at = ["runtime='ray'", f"ray.address='{cluster.address}'", "ray.service_host='127.0.0.1'"]
     return load_config(None, [*overrides, *ray_at])  # (after the bases: they name a runtime)
 
 
+def train_with_hook(config: RunConfig, out: Path, hook: Any, monkeypatch: Any) -> Any:
+    """``ddiloco train``'s own path (run directory, summary), with ``hook`` on its launcher."""
+    import ddiloco.commands.train as command
+
+    real = command.process_job
+
+    def job(*args: Any, **kwargs: Any) -> Any:
+        launcher = real(*args, **kwargs)
+        launcher.hooks.append(hook)
+        return launcher
+
+    monkeypatch.setattr(command, "process_job", job)
+    return train(config, out, quiet=True)
+
+
 def test_a_ray_run_survives_a_killed_and_a_frozen_learner_and_nodes_coming_and_going(
-    tmp_path, cluster
+    tmp_path, cluster, monkeypatch
 ):
     out = tmp_path / "run"
     config = on_cluster(
@@ -180,36 +178,34 @@ def test_a_ray_run_survives_a_killed_and_a_frozen_learner_and_nodes_coming_and_g
             "{at=24.0,kind='freeze',learner=1,duration=4.0}]",
         ],
     )
-    done = threading.Event()
-    state: dict[str, Any] = {"added": None, "removed": None}
+    state: dict[str, Any] = {"added": None, "lost": None, "rounds": 0, "steps": 0}
 
-    def act(rs: list[dict[str, Any]]) -> None:
-        rounds = sum(r["kind"] == "round" for r in rs)
-        if state["added"] is None and rounds >= 2:
+    def hook(launcher: RayLauncher, r: dict[str, Any]) -> None:
+        state["rounds"] += r["kind"] == "round"
+        if state["added"] is None and state["rounds"] >= 2:
             cluster.start("b", cpus=1)  # capacity appears: a pending learner is placed
             state["added"] = time.monotonic()
-        starts = [r for r in rs if r["kind"] == "started"]
-        first = {r["node"] for r in starts[:3]}  # the syncer's and learners 0-1's nodes
-        on_b = [r for r in starts[3:] if r["node"] not in first]
-        slot = int(on_b[0]["process"].split("-")[1]) if on_b else -1
-        steps = [r for r in rs if r["kind"] == "step" and r["learner"] == slot]
-        steps = [r for r in steps if r["t"] > on_b[0]["t"]] if on_b else []
-        if state["removed"] is None and len(steps) >= 20:
-            cluster.kill_node("b")  # once the learner Ray put there trains: lost with it
-            state["removed"] = time.monotonic()
+        if r["kind"] == "started":
+            state.setdefault("starts", []).append(r)
+        starts = state.get("starts", [])
+        first = {s["node"] for s in starts[:3]}  # the syncer's and learners 0-1's nodes
+        on_b = [s for s in starts[3:] if s["node"] not in first]
+        if on_b and r["kind"] == "step" and r["learner"] == int(on_b[0]["process"][8:]):
+            state["steps"] += 1
+            if state["lost"] is None and state["steps"] >= 20:  # the chaos plan's node loss
+                event = ChaosEvent(at=launcher.now(), kind="node_loss", learner=r["learner"])
+                launcher.play(event)  # once the learner Ray put there trains: lost with it
+                state["lost"] = time.monotonic()
 
-    watcher = threading.Thread(target=watch, args=(out, done, act), daemon=True)
-    watcher.start()
-    try:
-        (summary,) = train(config, out, quiet=True)
-    finally:
-        done.set()
-        watcher.join(timeout=5)
+    (summary,) = train_with_hook(config, out, hook, monkeypatch)
     rs = records(out)
     events = [r for r in rs if r["kind"] not in ("step", "round", "eval")]  # (for a failure)
     assert summary["runtime"] == "ray"
     assert summary["tokens"] >= 600000
-    assert state["added"] is not None and state["removed"] is not None, state
+    assert state["added"] is not None and state["lost"] is not None, state
+    lost = next(r for r in rs if r["kind"] == "chaos" and r["event"] == "node_loss")
+    assert "skipped" not in lost and lost["node"], lost.get("skipped")  # node b's raylet killed
+    cluster.nodes["b"].wait(timeout=30)  # its `ray start` went with it
     # the killed learner came back through a peer copy, on the actor Ray restarted
     assert any(r["kind"] == "recovered" and r["learner"] == 0 for r in rs), events
     restarted = [r for r in rs if r["kind"] == "started" and r["process"] == "learner-0"]

@@ -101,6 +101,15 @@ def test_crash_mid_recovery_retries_from_another_peer(splits):
     assert summary["ledger_balanced"]
 
 
+def test_a_node_loss_is_a_crash_on_the_simulated_clock(splits):
+    plan = "chaos=[{at=3.0, kind='%s', learner=2, duration=1.0}]"
+    crash = _run(splits, plan % "crash")
+    lost = _run(splits, plan % "node_loss")
+    renamed = [{**r, "event": "crash"} if r["kind"] == "chaos" else r for r in lost[1]]
+    assert renamed == crash[1]  # (a learner's chips are its node: the same run, bit for bit)
+    assert any(r["kind"] == "recovered" and r["learner"] == 2 for r in lost[1])
+
+
 def test_train_writes_the_run_directory(tmp_path):
     config = load_config("configs/smoke.toml", ["train.tokens=6000", "train.eval_every=3000"])
     summaries = train(config, tmp_path, quiet=True)

@@ -88,6 +88,38 @@ def test_a_copied_learner_carries_only_what_it_trains_after_the_copy():
     assert sync.c_tokens[f] == 2
 
 
+@pytest.mark.parametrize("apply", ["overwrite", "blend", "carry"])
+def test_a_copied_learner_answers_only_what_it_trained_after_the_copy(apply):
+    # the peer answered (the syncer may have merged it already) and trained on: a delta of
+    # the copy against the peer's base would push the peer's progress a second time
+    peer, peer_params = _learner(apply)
+    f = _fragment_of("a.w")
+    _train(peer, peer_params, 4.0, 5)
+    peer.answer(f, 0, peer_params)
+    _train(peer, peer_params, 3.0, 5)
+    sync, params = _learner(apply)
+    for name, t in peer_params.items():
+        params[name].copy_(t)
+    sync.load_peer_state(peer.state_dict(), params)
+    assert sync.versions == peer.versions and sync.step == peer.step
+    _train(sync, params, 1.0, 2)
+    answer = sync.answer(f, 0, params)
+    assert torch.equal(answer.delta[0], torch.ones(2, 3))
+    assert (answer.meta.c_steps, answer.meta.c_tokens) == (1, 2)
+    assert torch.equal(peer.answer(f, 0, peer_params).delta[0], torch.full((2, 3), 7.0))
+
+
+def test_an_exact_copy_keeps_the_peers_bases():
+    peer, peer_params = _learner("overwrite")
+    _train(peer, peer_params, 4.0, 5)
+    sync, params = _learner("overwrite")
+    sync.load_state(peer.state_dict())
+    for name, t in peer_params.items():
+        params[name].copy_(t)
+    f = _fragment_of("a.w")
+    assert torch.equal(sync.answer(f, 0, params).delta[0], torch.full((2, 3), 4.0))
+
+
 def test_unknown_rules_and_blends_out_of_range_are_refused():
     with pytest.raises(ConfigError, match="apply"):
         _learner("average")

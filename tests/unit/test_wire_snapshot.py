@@ -46,7 +46,12 @@ def test_a_newcomer_loaded_from_a_snapshot_trains_exactly_like_its_peer():
     newcomer, new_sync = learner()
     state = unpack_tree(blob)
     newcomer.load_state(state["trainer"])
-    new_sync.load_peer_state(state["sync"])
+    new_sync.load_state(state["sync"])  # exact: the bases too (another rank of the peer)
+    assert all(
+        torch.equal(a, b)
+        for fa, fb in zip(new_sync.bases, peer_sync.bases, strict=True)
+        for a, b in zip(fa, fb, strict=True)
+    )
     assert new_sync.step == 3 and newcomer.stream.position == peer.stream.position
     loss_peer, _ = peer.train_step()
     loss_new, _ = newcomer.train_step()

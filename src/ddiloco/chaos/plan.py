@@ -19,7 +19,17 @@ from typing import Any
 
 from ddiloco.errors import ConfigError, require
 
-CHAOS_KINDS = ("crash", "freeze", "slow", "link_slow", "link_cut", "join", "leave", "preempt")
+CHAOS_KINDS = (
+    "crash",
+    "node_loss",
+    "freeze",
+    "slow",
+    "link_slow",
+    "link_cut",
+    "join",
+    "leave",
+    "preempt",
+)
 SECONDS_PER_HOUR = 3600.0
 
 
@@ -27,8 +37,10 @@ SECONDS_PER_HOUR = 3600.0
 class ChaosEvent:
     """One scheduled fault for ``learner`` at virtual time ``at``.
 
-    crash: dies, restarts after ``duration`` and copies a peer; freeze: stopped for
-    ``duration``; slow: steps ``factor`` x longer; link_slow: bandwidth / ``factor``;
+    crash: dies, restarts after ``duration`` and copies a peer; node_loss: the machine under
+    it is lost with everything on it (on Ray its node goes, and Ray places the learner again
+    where there is room; on the simulated clock and on one host it is a crash); freeze:
+    stopped for ``duration``; slow: steps ``factor`` x longer; link_slow: bandwidth / ``factor``;
     link_cut: its links carry nothing for ``duration``; join: a scavenged slot arrives;
     leave: goes away cleanly; preempt: reclaimed with notice (a spot machine): leaves
     cleanly, so no one waits to detect it, and is back after ``duration``, copying a peer.

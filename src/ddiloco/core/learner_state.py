@@ -179,18 +179,36 @@ class LearnerSync:
         }
 
     def load_peer_state(
-        self, state: Mapping[str, object], params: Mapping[str, torch.Tensor] | None = None
+        self, state: Mapping[str, object], params: Mapping[str, torch.Tensor]
     ) -> None:
-        """Adopt a healthy peer's bases and step. Counters start at zero: the peer's unpushed
-        tokens stay the peer's, so no token is counted twice. Under ``carry``, ``params`` (the
-        copied values) is the snapshot: the peer pushes its own progress, the newcomer
-        carries only what it trains after the copy."""
-        versions = state["versions"]
+        """A newcomer adopts a healthy peer's versions and step, with ``params`` the values it
+        copied from that peer. Its bases are those copied values, not the peer's bases, and
+        its counters start at zero: the progress the peer made since its bases (answered or
+        not, merged or not) is the peer's to push, in direction as in tokens. A newcomer's
+        delta against the peer's bases would carry that progress a second time, into a round
+        other than the peer's (docs/decisions.md 8). Also the path of a learner resuming its
+        own checkpoint: what it trained since that checkpoint's bases is not pushed again."""
+        self._adopt(state)
+        with torch.no_grad():
+            self.bases = [
+                [t.detach().to("cpu", torch.float32, copy=True) for t in frag]
+                for frag in (gather(self.plan, f, params) for f in range(self.plan.num_fragments))
+            ]
+
+    def load_state(self, state: Mapping[str, object]) -> None:
+        """Become an exact copy of ``state`` (bases included): the other ranks of a learner
+        adopting rank 0's state, which must stay identical to it, not a newcomer's."""
+        self._adopt(state)
         bases = state["bases"]
-        assert isinstance(versions, list) and isinstance(bases, list)
+        assert isinstance(bases, list)
+        require(len(bases) == self.plan.num_fragments, "bases", len(bases), "wrong length")
+        self.bases = [[t.clone() for t in frag] for frag in bases]
+
+    def _adopt(self, state: Mapping[str, object]) -> None:
+        versions = state["versions"]
+        assert isinstance(versions, list)
         require(len(versions) == self.plan.num_fragments, "versions", versions, "wrong length")
         self.versions = [int(v) for v in versions]
-        self.bases = [[t.clone() for t in frag] for frag in bases]
         step = state["step"]
         assert isinstance(step, int)
         self.step = step
@@ -199,15 +217,6 @@ class LearnerSync:
         self.c_tokens = [0] * p
         self.snapshot_counters = [(0, 0)] * p
         self.snapshots = [None] * p
-        if params is not None and self.rule == "carry":
-            with torch.no_grad():
-                self.snapshots = [
-                    [
-                        t.detach().to("cpu", torch.float32, copy=True)
-                        for t in gather(self.plan, f, params)
-                    ]
-                    for f in range(p)
-                ]
 
     def _check(self, fragment: int) -> None:
         require(0 <= fragment < self.plan.num_fragments, "fragment", fragment, "out of range")

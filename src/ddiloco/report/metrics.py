@@ -8,6 +8,8 @@ import time
 from pathlib import Path
 from typing import Any, TextIO
 
+LOSSES = ("crash", "node_loss")  # chaos that takes a learner down
+
 
 class MetricsWriter:
     """Appends one JSON object per line to ``metrics.jsonl``, tagged with the method."""
@@ -47,12 +49,13 @@ class Progress:
         kind = record["kind"]
         if kind == "step":
             self.learners[record["learner"]] = f"s{record['step']}"
-        elif kind == "chaos" and record["event"] == "crash":
+        elif kind == "chaos" and record["event"] in LOSSES and "skipped" not in record:
             self.learners[record["learner"]] = "DOWN"
+            what = "crashed" if record["event"] == "crash" else "lost its node"
             self._line(
                 method,
                 record["t"],
-                f"learner {record['learner']} crashed (down {record['duration']:.0f}s)",
+                f"learner {record['learner']} {what} (down {record['duration']:.0f}s)",
             )
         elif kind == "recovered":
             src = record.get("source") or (

@@ -62,6 +62,7 @@ def plot_timeline(records: Iterable[dict[str, Any]], out: Path) -> Path:
     end = max((r["t"] for r in rows), default=1.0)
     colors = {
         "crash": "tab:red",
+        "node_loss": "darkred",
         "slow": "tab:orange",
         "freeze": "tab:purple",
         "link_cut": "tab:gray",
@@ -83,8 +84,8 @@ def plot_timeline(records: Iterable[dict[str, Any]], out: Path) -> Path:
         xlabel="virtual seconds",
         ylabel="learner",
         xlim=(0, end),
-        title="Learner timeline: steps (|), crash (red), slow (orange), freeze (purple), "
-        "link cut (grey), recovered (^)",
+        title="Learner timeline: steps (|), crash (red), node lost (dark red), slow (orange), "
+        "freeze (purple), link cut (grey), recovered (^)",
     )
     ax.set_yticks(sorted(steps))
     fig.tight_layout()

@@ -150,7 +150,7 @@ class DataParallelSim(SimRun):
             self.network.slow(m, event.factor)
         elif event.kind in ("freeze", "link_cut") and m in self.live:
             self._pause(event.duration, event.kind)  # the all-reduce waits for it
-        elif event.kind in ("crash", "leave", "preempt") and m in self.live:
+        elif event.kind in ("crash", "node_loss", "leave", "preempt") and m in self.live:
             if event.kind != "leave":  # a preempted replica is lost as a crashed one is
                 returns.append((self.now + event.duration, m))
             if self.elastic:

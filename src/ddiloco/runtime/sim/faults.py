@@ -1,7 +1,7 @@
 """What the chaos plan does to the simulated world, and how learners come back.
 
-Crash (the process dies: state lost, restarts after ``duration`` and copies a healthy peer),
-freeze (SIGSTOP: nothing runs for ``duration``, state kept), slow (steps take ``factor``
+Crash (the process dies: state lost, restarts after ``duration`` and copies a healthy peer;
+node_loss is the same here, a learner's chips being its node), freeze (SIGSTOP: nothing runs for ``duration``, state kept), slow (steps take ``factor``
 longer), link_slow / link_cut (the learner's links lose bandwidth or carry nothing for a
 while), join (a scavenged learner arrives and copies a peer), leave (a learner goes away
 cleanly). A collaborator of the engine: it moves slots between their named states
@@ -64,6 +64,7 @@ class Faults:
         sim.emit(chaos_record(event, sim.clock.now))
         handler = {
             "crash": self._crash,
+            "node_loss": self._crash,  # (a learner's chips are its node here)
             "freeze": self._freeze,
             "slow": self._slow,
             "link_slow": self._link,

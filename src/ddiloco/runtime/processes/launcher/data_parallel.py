@@ -3,11 +3,12 @@ torchrun's own restart, under the same chaos plan as the fragment methods.
 
 :class:`DataParallelJob` starts ``torchrun --standalone --nproc-per-node W --max-restarts N``
 (W = ``train.learners`` x ``processes.ranks``; N = ``processes.max_restarts`` plus one for
-every crash the plan holds, so planned kills do not use up the budget for real failures)
-running :mod:`.data_parallel_worker`, relays its rank 0's events into the run's metrics, and
-plays the plan on the ranks of replica m (``learner = m``): crash = SIGKILL (torchrun notices, stops
-the other ranks and restarts the whole group at once from the last checkpoint: the steps
-since are rollback waste; the crash's ``duration`` is not played, torchrun does not wait),
+every crash, node loss or preemption the plan holds, so planned kills do not use up the
+budget for real failures) running :mod:`.data_parallel_worker`, relays its rank 0's events
+into the run's metrics, and plays the plan on the ranks of replica m (``learner = m``):
+crash, node_loss and preempt = SIGKILL (torchrun notices, stops the other ranks and restarts
+the whole group at once from the last checkpoint: the steps since are rollback waste; the
+``duration`` is not played, torchrun does not wait),
 freeze = SIGSTOP then SIGCONT after ``duration`` (every rank stalls in the all-reduce), slow
 = the launcher's SIGSTOP/SIGCONT duty cycle. join, leave and the link faults are recorded
 as ``chaos`` with ``skipped`` saying why (one torchrun agent runs a fixed group: it cannot
@@ -62,6 +63,7 @@ ELASTIC = (
 )
 FIXED_GROUP = "non-elastic data-parallel cannot shrink or grow: one torchrun agent, fixed ranks"
 NO_PROXY = "gloo's all-reduce traffic does not cross the fault proxy"
+LOST = ("crash", "node_loss", "preempt")  # kinds that kill ranks: notice or not, a rank lost
 NO_DURATION = "torchrun restarts the group at once: the duration is not played"
 
 
@@ -92,7 +94,7 @@ class DataParallelJob(Supervisor):
         # attempt's keys, and the restarted ranks' gloo then dials dead ranks' ports
         # (pytorch/pytorch#135712; seen here: every restart failed "Connection refused")
         self.env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
-        planned = sum(e.kind == "crash" and e.learner < self.replicas for e in config.chaos)
+        planned = sum(e.kind in LOST and e.learner < self.replicas for e in config.chaos)
         self.max_restarts = config.processes.max_restarts + planned
         self.rank_pids: dict[int, int] = {}  # rank -> pid, the current attempt's
         self.attempt = -1  # torchrun's restart count of the ranks we heard last
@@ -169,7 +171,7 @@ class DataParallelJob(Supervisor):
         down = f"replica {m}'s ranks are not running (the group is starting or restarting)"
         if m >= self.replicas:
             record["skipped"] = f"no replica {m}: the job has {self.replicas}"
-        elif event.kind in ("crash", "preempt"):  # a lost rank is lost, notice or not
+        elif event.kind in LOST:
             if pids := self.signal_replica(m, signal.SIGKILL):
                 record.update(pids=pids, note=NO_DURATION)
                 self.crashed.add(m)

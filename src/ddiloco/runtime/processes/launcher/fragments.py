@@ -5,11 +5,12 @@ with ``subprocess``, never forked from a process holding torch), hands them the 
 in their environment (never on a command line), relays their ``@event`` lines to the run's
 metrics (so the run directory, summary and plots are the simulated clock's), restarts a
 learner that dies (it recovers from a peer) and a syncer that dies (it resumes from its
-durable store), and plays the chaos plan for real: crash = SIGKILL then restart after
-``duration``, freeze = SIGSTOP then SIGCONT, join = start a scavenged slot, leave = SIGTERM
-(a clean leave), slow = a duty cycle of SIGSTOP/SIGCONT so the slot runs 1/factor of the
-time, link_cut / link_slow = a command to the fault-injecting proxy (on its stdin, a pipe from
-here), which holds the learner's frames to and from the syncer for ``duration`` or caps its
+durable store), and plays the chaos plan for real: crash (and node_loss: on one host the
+node is the learner's process) = SIGKILL then restart after ``duration``, freeze = SIGSTOP
+then SIGCONT, join = start a scavenged slot, leave = SIGTERM (a clean leave), slow = a duty
+cycle of SIGSTOP/SIGCONT so the slot runs 1/factor of the time, link_cut / link_slow = a
+command to the fault-injecting proxy (on its stdin, a pipe from here), which holds the
+learner's frames to and from the syncer for ``duration`` or caps its
 links at ``network.learner_syncer_gbps`` / factor. A plan with link faults gets a proxy (with
 no wire faults) even when ``processes.proxy`` is unset. Event times are wall seconds since
 the launch.
@@ -229,7 +230,7 @@ class Launcher(Supervisor):
         name, m = f"learner-{event.learner}", event.learner
         record = chaos_record(event, self.now())
         reached = True  # a signal reached a live process
-        if event.kind == "crash":
+        if event.kind in ("crash", "node_loss"):  # (on one host, the node is its process)
             if reached := self.signal(name, signal.SIGKILL):
                 self.after(event.duration, lambda: self.start_learner(m, join=True))
         elif event.kind == "freeze":

@@ -185,7 +185,7 @@ class LearnerProcess:
         if self.ranks.active and copied:  # every rank starts from what rank 0 recovered
             blob = self.ranks.share_bytes(self.snapshot() if self.ranks.leader else None)
             if not self.ranks.leader:
-                self.load(blob)
+                self.load(blob, exact=True)
         self.started = time.monotonic()
         self.events(
             "learner_up",
@@ -338,14 +338,19 @@ class LearnerProcess:
         with torch.no_grad():
             return float(sum(p.double().sum() for p in self.trainer.model.parameters()))
 
-    def load(self, blob: bytes) -> None:
-        """Adopt a snapshot: a peer's (recovery) or rank 0's (the other ranks)."""
-        self.adopt(unpack_tree(blob))
+    def load(self, blob: bytes, exact: bool = False) -> None:
+        """Adopt a snapshot: a peer's (recovery), or rank 0's (the other ranks: ``exact``)."""
+        self.adopt(unpack_tree(blob), exact)
 
-    def adopt(self, state: dict[str, Any]) -> None:
-        """Take over a state: a peer's snapshot, rank 0's, or our own local checkpoint."""
+    def adopt(self, state: dict[str, Any], exact: bool = False) -> None:
+        """Take over a state: a peer's snapshot or our own local checkpoint as a newcomer
+        (what was trained since its bases stays unpushed: core/learner_state.py), or rank
+        0's as an exact copy of it (``exact``)."""
         self.trainer.load_state(state["trainer"])
-        self.sync.load_peer_state(state["sync"], self.trainer.params())
+        if exact:
+            self.sync.load_state(state["sync"])
+        else:
+            self.sync.load_peer_state(state["sync"], self.trainer.params())
         self.sync.incarnation = self.incarnation
 
     def snapshot_state(self) -> dict[str, Any]:

@@ -260,9 +260,36 @@ def signal_pid(pid: int, sig: int) -> bool:
     return True
 
 
-# the actor and the task (restarted forever: a learner's death costs only that learner)
+def raylet_of(pid: int) -> int | None:
+    """The nearest ancestor of ``pid`` named ``raylet`` (a worker's node manager), from
+    /proc; None where there is none to be found (not Linux, not a Ray worker)."""
+    while pid > 1:
+        try:
+            comm = Path(f"/proc/{pid}/comm").read_text(encoding="utf-8").strip()
+            stat = Path(f"/proc/{pid}/stat").read_text(encoding="utf-8")
+        except OSError:
+            return None
+        if comm == "raylet":
+            return pid
+        pid = int(stat.rsplit(")", 1)[1].split()[1])  # (field 4, after the command's parens)
+    return None
+
+
+def lose_this_node(after: float = 2.0) -> int | None:
+    """A node loss (chaos ``node_loss``), as a task pinned to the node: SIGKILL its raylet
+    ``after`` seconds from now, so this answer (the raylet's pid) gets out first. The node's
+    workers and ``ray start`` go with their raylet, and Ray's GCS declares the node dead.
+    None, killing nothing, when the raylet is not found."""
+    raylet = raylet_of(os.getpid())
+    if raylet is not None:
+        threading.Timer(after, os.kill, (raylet, signal.SIGKILL)).start()
+    return raylet
+
+
+# the actor and the tasks (restarted forever: a learner's death costs only that learner)
 ServiceActor: Any = ray.remote(max_restarts=-1, max_task_retries=0, max_concurrency=4)(ServiceHost)
 send_signal: Any = ray.remote(num_cpus=0, max_retries=0)(signal_pid)
+lose_node: Any = ray.remote(num_cpus=0, max_retries=0)(lose_this_node)
 
 
 SIGNALS = {signal.SIGSTOP, signal.SIGCONT}  # sent as signals; KILL and TERM go through Ray

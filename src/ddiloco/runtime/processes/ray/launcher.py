@@ -24,6 +24,9 @@ with ``max_restarts=-1``, so a learner's death costs only that learner.
   for good rather than restarted.
 - A learner of several ranks (``processes.ranks`` > 1) is one placement group of rank
   actors running torch.distributed inside, only rank 0 talking to the syncer (:mod:`.ranks`).
+- ``node_loss`` takes down the learner's node (its raylet, and with it every worker there);
+  the learner is placed again where there is room. Not on the head, the syncer's or the
+  driver's node (recorded as skipped: that would end the run).
 - Not yet: link faults and wire faults (``processes.proxy``). A plan's link faults are
   recorded as skipped.
 """
@@ -48,7 +51,14 @@ from ddiloco.errors import ConfigError
 from ddiloco.runtime.processes.launcher.devices import gpus_each
 from ddiloco.runtime.processes.launcher.fragments import SYNCER, Launcher, free_port
 from ddiloco.runtime.processes.launcher.link_faults import LINK_KINDS
-from ddiloco.runtime.processes.ray.actor import NODE, RAY_SYNCER, SIGNALS, ServiceActor, send_signal
+from ddiloco.runtime.processes.ray.actor import (
+    NODE,
+    RAY_SYNCER,
+    SIGNALS,
+    ServiceActor,
+    lose_node,
+    send_signal,
+)
 from ddiloco.runtime.processes.ray.child import DIED, ActorChild, relay
 from ddiloco.runtime.processes.ray.cluster import LOCAL_IP, Cluster
 from ddiloco.runtime.processes.ray.ranks import RankLives, rank_group
@@ -278,7 +288,52 @@ class RayLauncher(Launcher):
         if event.kind in LINK_KINDS:
             self.emit({**chaos_record(event, self.now()), "skipped": NOT_ON_RAY})
             return
+        if event.kind == "node_loss":
+            self.emit({**chaos_record(event, self.now()), **self.lose_node(event.learner)})
+            return
         super().play(event)
+
+    def lose_node(self, m: int) -> dict[str, Any]:
+        """Chaos ``node_loss``: the node learner ``m`` runs on goes, raylet, workers and all
+        (:func:`~.actor.lose_this_node`). Not a stop the launcher asked for: the learners on
+        it die as on a real node failure, and the restart policy and Ray place them again
+        where there is room (``duration`` is not played: no node comes back by itself).
+        Refused (a ``skipped`` reason) on the head node, the syncer's and this driver's: losing
+        one of those would end the run, not test it. Returns what the record adds."""
+        name = f"learner-{m}"
+        child = self.procs.get(name)
+        if not isinstance(child, ActorChild | RankLives) or child.poll() is not None:
+            return {"skipped": f"{name} is not running"}
+        placed = [life.where for life in child.lives() if life.where is not None]
+        if not placed:
+            return {"skipped": f"{name} is not placed on a node yet"}
+        node = str(placed[0]["node"])
+        syncer = self.procs.get(SYNCER)
+        kept = {ray.get_runtime_context().get_node_id(): "this driver's"}
+        kept |= {
+            n["NodeID"]: "the head"
+            for n in ray.nodes()
+            if n.get("Alive") and "node:__internal_head__" in n.get("Resources", {})
+        }
+        if isinstance(syncer, ActorChild) and syncer.where is not None:
+            kept[str(syncer.where["node"])] = "the syncer's"
+        if node in kept:
+            why = f"{name} runs on {kept[node]} node ({node[:12]}): losing it would end the run"
+            return {"skipped": why}
+        try:
+            raylet = ray.get(
+                lose_node.options(
+                    scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)
+                ).remote(),
+                timeout=SIGNAL_SECONDS,
+            )
+        except (ray.exceptions.NodeDiedError, ray.exceptions.WorkerCrashedError):
+            return {"node": node}  # (the node went before the task's answer got out)
+        except ray.exceptions.RayError as exc:
+            return {"skipped": f"node {node[:12]} did not take the node-loss task: {exc}"}
+        if raylet is None:
+            return {"skipped": f"no raylet found on node {node[:12]} (not Linux?)"}
+        return {"node": node, "raylet": raylet}
 
     def run(self) -> dict[str, Any]:
         try:
