@@ -326,3 +326,42 @@ def test_a_learner_of_two_ranks_is_a_placement_group_that_restarts_whole(tmp_pat
     assert {r["learner"] for r in rs if r["kind"] == "step"} == {0, 1}  # rank 0 only speaks
     ledger = {k: v for k, v in summary.items() if "ledger" in k or k.startswith("tokens")}
     assert summary["ledger_balanced"] and summary["ledger_errors"] == 0, ledger
+
+
+def test_a_killed_syncer_actor_restarts_from_its_store_and_the_learners_find_it(tmp_path, cluster):
+    config = on_cluster(
+        cluster, [*SMALL, "train.tokens=10000000", "processes.max_wall_seconds=200"]
+    )
+    state: dict[str, Any] = {"rounds": 0, "versions": {}}
+
+    def hook(launcher: RayLauncher, r: dict[str, Any]) -> None:
+        if r["kind"] == "round" and "restored" not in state:
+            state["rounds"] += 1
+            state["versions"][r["fragment"]] = r["version"]  # broadcast: acknowledged
+            if state["rounds"] == 6:
+                state["pid"] = launcher.procs["syncer"].pid
+                launcher.crash_syncer(down_seconds=1.0)  # the actor killed; Ray restarts it
+        if r["kind"] == "restored":
+            state["restored"] = r
+            state["after"] = 0
+        if r["kind"] == "round" and "restored" in state:
+            state["after"] += 1
+            if state["after"] == 8:
+                launcher.request_stop()
+
+    rs: list[dict[str, Any]] = []
+    launcher = RayLauncher(config, "decoupled", tmp_path / "run", rs.append, hooks=[hook])
+    summary = launcher.run()
+    events = [r for r in rs if r["kind"] not in ("step", "round", "eval")]  # (for a failure)
+    restored = state.get("restored")
+    assert restored is not None, events
+    for p, version in state["versions"].items():
+        assert restored["versions"][p] >= version  # no acknowledged merge was lost
+    starts = [r for r in rs if r["kind"] == "started" and r["process"] == "syncer"]
+    assert len(starts) == 2 and starts[1]["pid"] != state["pid"], starts  # a new worker
+    assert starts[1]["node"] == starts[0]["node"]  # pinned: its store is on that node's disk
+    merged = [(r["fragment"], r["version"]) for r in rs if r["kind"] == "round"]
+    assert len(merged) == len(set(merged))  # no merge doubled across the restart
+    assert state["after"] >= 8 and summary["rounds"] >= 8, events  # learners found it again
+    ledger = {k: v for k, v in summary.items() if "ledger" in k or k.startswith("tokens")}
+    assert summary["ledger_balanced"] and summary["ledger_errors"] == 0, ledger

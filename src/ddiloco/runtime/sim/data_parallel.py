@@ -120,7 +120,16 @@ class DataParallelSim(SimRun):
             self.kept_replica_seconds += step * len(self.live)
             self.tokens += n
             steps += 1
-            self.emit({"kind": "step", "t": self.now, "learner": 0, "step": steps, "loss": loss})
+            self.emit(
+                {
+                    "kind": "step",
+                    "t": self.now,
+                    "learner": 0,
+                    "step": steps,
+                    "loss": loss,
+                    "batch_tokens": n,
+                }
+            )
             if steps % dp.checkpoint_every == 0:
                 self.checkpoint = self._snapshot()
                 self._pause(dp.checkpoint_seconds, "checkpoint")

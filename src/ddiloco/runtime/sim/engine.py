@@ -146,7 +146,17 @@ class FragmentSim(SimRun):
         node.sync.stepped(tokens)
         self.ledger.trained(m, tokens)
         self.tokens += tokens
-        self.emit({"kind": "step", "t": now, "learner": m, "step": node.sync.step, "loss": loss})
+        step = node.sync.step
+        self.emit(
+            {
+                "kind": "step",
+                "t": now,
+                "learner": m,
+                "step": step,
+                "loss": loss,
+                "batch_tokens": tokens,
+            }
+        )
         self.send_progress(node)
         self.at_boundary(node)
         evaluated = self.evaluate() if self.tokens >= self.next_eval else None

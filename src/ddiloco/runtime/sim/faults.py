@@ -1,10 +1,11 @@
 """What the chaos plan does to the simulated world, and how learners come back.
 
 Crash (the process dies: state lost, restarts after ``duration`` and copies a healthy peer;
-node_loss is the same here, a learner's chips being its node), freeze (SIGSTOP: nothing runs for ``duration``, state kept), slow (steps take ``factor``
-longer), link_slow / link_cut (the learner's links lose bandwidth or carry nothing for a
-while), join (a scavenged learner arrives and copies a peer), leave (a learner goes away
-cleanly). A collaborator of the engine: it moves slots between their named states
+node_loss is the same here, a learner's chips being its node), freeze (SIGSTOP: nothing runs
+for ``duration``, state kept), slow (steps take ``factor`` longer), link_slow / link_cut (the
+learner's links lose bandwidth or carry nothing for a while), join (a scavenged learner
+arrives and copies a peer), leave (a learner goes away cleanly). A collaborator of the
+engine: it moves slots between their named states
 (:class:`~ddiloco.runtime.sim.node.NodeState`) and calls back into the engine only through
 :class:`Engine`, the few things it needs.
 """

@@ -253,7 +253,7 @@ class LearnerProcess:
         self.sync.stepped(tokens)
         self.tokens += tokens
         self.report(tokens)
-        self.events("step", learner=self.m, step=self.sync.step, loss=loss)
+        self.events("step", learner=self.m, step=self.sync.step, loss=loss, batch_tokens=tokens)
         stop, wait = self.at_boundary(step_end=True)
         if wait and not stop:
             stop = self.wait_for_merge()
