@@ -16,9 +16,10 @@ $(BIN)/ddiloco: pyproject.toml
 
 install: $(BIN)/ddiloco
 
-# the optional extras the tests exercise (Hugging Face models, tokenizers, datasets, Ray)
+# the optional extras the tests exercise (Hugging Face models, tokenizers, datasets, Ray,
+# TensorBoard)
 $(VENV)/.extras: $(BIN)/ddiloco pyproject.toml
-	$(BIN)/pip install -q $(FIND_LINKS) -e '.[test,hf,data,ray]'
+	$(BIN)/pip install -q $(FIND_LINKS) -e '.[test,hf,data,ray,tensorboard]'
 	touch $@
 
 demo: install

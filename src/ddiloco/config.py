@@ -328,6 +328,22 @@ class RayConfig:
         require(bool(self.namespace), "ray.namespace", self.namespace, "must not be empty")
 
 
+@dataclass(frozen=True)
+class ReportConfig:
+    """What a run shows while it goes (report/progress.py) and where else it writes it."""
+
+    progress_seconds: float = 5.0  # a status line this often (wall seconds; 0: at evals only)
+    tensorboard: bool = False  # event files under <run>/tensorboard (report/tensorboard.py)
+
+    def __post_init__(self) -> None:
+        require(
+            self.progress_seconds >= 0,
+            "report.progress_seconds",
+            self.progress_seconds,
+            "must be >= 0 (0: only at evaluations)",
+        )
+
+
 RUNTIMES = ("sim", "processes", "ray")
 WALL_CLOCK_RUNTIMES = ("processes", "ray")  # real processes, wall seconds
 
@@ -347,6 +363,7 @@ class RunConfig:
     data_parallel: DataParallelConfig = field(default_factory=DataParallelConfig)
     processes: ProcessesConfig = field(default_factory=ProcessesConfig)
     ray: RayConfig = field(default_factory=RayConfig)
+    report: ReportConfig = field(default_factory=ReportConfig)
     chaos: tuple[ChaosEvent, ...] = ()  # explicit events
     chaos_gen: ChaosGenerators = field(default_factory=ChaosGenerators)
     chaos_plan: str = ""  # replay: a chaos_plan.json from an earlier run (generators off)

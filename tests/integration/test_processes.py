@@ -47,6 +47,7 @@ def test_a_processes_run_writes_the_same_run_directory_as_the_simulated_clock(tm
         "metrics.jsonl",
         "summary.json",
         "eval_loss.png",
+        "train_loss.png",
         "timeline.png",
         "bytes.png",
     ):

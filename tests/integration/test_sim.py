@@ -126,6 +126,7 @@ def test_train_writes_the_run_directory(tmp_path):
         "chaos_plan.json",
         "config.toml",
         "eval_loss.png",
+        "train_loss.png",
         "timeline.png",
         "bytes.png",
     ):

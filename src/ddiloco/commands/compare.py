@@ -9,7 +9,7 @@ from typing import Any
 
 from ddiloco.commands.train import render
 from ddiloco.errors import ConfigError
-from ddiloco.report.plots import plot_eval, read_metrics
+from ddiloco.report.plots import plot_eval, read_metrics, time_label
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -39,6 +39,11 @@ def run(args: argparse.Namespace) -> int:
         records.extend({**r, "method": f"{path.name}/{r['method']}"} for r in run_records)
     print(render(summaries))
     if records:
-        out = plot_eval(records, Path(args.out))
+        out = Path(args.out)
+        if not out.suffix:  # (matplotlib would add .png, and the path printed be wrong)
+            out = out.with_suffix(".png")
+        labels = {time_label(Path(name)) for name in args.runs}
+        seconds = labels.pop() if len(labels) == 1 else "seconds (virtual or wall, per run)"
+        out = plot_eval(records, out, seconds=seconds)
         print(f"\nplot: {out}")
     return 0

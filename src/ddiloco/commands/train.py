@@ -36,9 +36,11 @@ from ddiloco.config import RUNTIMES, WALL_CLOCK_RUNTIMES, RunConfig, load_config
 from ddiloco.data.corpus import TokenSplits
 from ddiloco.errors import ConfigError
 from ddiloco.methods import method_for
-from ddiloco.report.metrics import MetricsWriter, Progress, write_json
+from ddiloco.report.metrics import MetricsWriter, write_json
 from ddiloco.report.plots import plot_run
+from ddiloco.report.progress import Progress
 from ddiloco.report.summary import add_equal_time
+from ddiloco.report.tensorboard import TensorBoardSink
 from ddiloco.report.text import human_bytes, table
 from ddiloco.runtime.contract import assemble, check_contract
 from ddiloco.runtime.resume import end_line, last_time, refuse_reuse, resumed_config
@@ -165,8 +167,9 @@ def train(
     restarts = sim_restarts(config, out) if resume and not processes else {}
     if resume:
         end_line(out)
+    board = TensorBoardSink(out) if config.report.tensorboard else None  # (refused if missing)
     metrics = MetricsWriter(out / "metrics.jsonl", append=resume)
-    progress = Progress(config.train.tokens, quiet=quiet)
+    progress = Progress(config.train.tokens, quiet=quiet, every=config.report.progress_seconds)
     summaries = []
     try:
         for method in config.methods:
@@ -175,6 +178,8 @@ def train(
             def emit(record: dict[str, Any], method: str = method) -> None:
                 metrics.emit(record)
                 progress(method, record)
+                if board is not None:
+                    board(method, record)
                 if record["kind"] == "exited" and record["code"] and not record["gave_up"]:
                     print(exited_line(method, record), file=sys.stderr, flush=True)
 
@@ -193,10 +198,14 @@ def train(
                 summary = run_method(config, method, splits, evals, emit, out)
             summary["wall_seconds"] = time.monotonic() - started
             summaries.append(summary)
+            if board is not None:
+                board.summary(method, summary)
             if summary.get("stop_signal"):
                 break  # the user stopped the run: not the next method either
     finally:
         metrics.close()
+        if board is not None:
+            board.close()
     add_equal_time(summaries, eval_curves(out / "metrics.jsonl"))
     primary = dict(summaries[0])
     primary["methods"] = {s["method"]: s for s in summaries}

@@ -160,6 +160,14 @@ class MergeResult:
     schedule_scale: float = 1.0  # the inner learning-rate factor of the outer step
     fraction: float = 1.0  # the share of a sync period the outer step covers
 
+    def staleness(self) -> float:
+        """Versions behind, on average over the round's answers: 0 when every answer's base
+        is the version this merge replaced."""
+        answers = self.round.answers
+        if not answers:
+            return 0.0
+        return sum(self.version - 1 - a.base_version for a in answers) / len(answers)
+
     def record(self, broadcast_bytes: int) -> dict[str, Any]:
         """The ``round`` record every runtime writes to metrics.jsonl (without its time)."""
         rnd = self.round
@@ -176,6 +184,7 @@ class MergeResult:
             "update_norm": self.update_norm,
             "schedule_scale": self.schedule_scale,
             "fraction": self.fraction,
+            "staleness": self.staleness(),
             "broadcast_bytes": broadcast_bytes,
         }
 

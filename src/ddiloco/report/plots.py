@@ -1,9 +1,12 @@
-"""PNG plots of a run directory: eval loss against tokens and virtual time, a learner
-timeline with failures and recoveries, and bytes on the wire per virtual second."""
+"""PNG plots of a run directory: eval loss against tokens and time, each learner's train
+loss, a learner timeline with failures and observed outages, and bytes on the wire per
+second. Time is virtual seconds on the simulated clock and wall seconds on real processes
+(the run's ``runtime``, from its config.toml)."""
 
 from __future__ import annotations
 
 import json
+import tomllib
 from collections import defaultdict
 from collections.abc import Iterable
 from pathlib import Path
@@ -13,6 +16,14 @@ import matplotlib
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
+from matplotlib.ticker import FuncFormatter
+
+from ddiloco.config import WALL_CLOCK_RUNTIMES
+from ddiloco.report.progress import human_count
+
+COUNT = FuncFormatter(lambda x, _: human_count(x))  # tick labels: 100K, 1.5M
+LOSS_SMOOTHING = 0.1  # train-loss curves: an exponential moving average of the steps
+DOWN_KINDS = ("crash", "node_loss", "preempt")  # drawn as observed: down until it merges again
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
@@ -20,17 +31,33 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
         return [json.loads(line) for line in f if line.strip()]
 
 
+def time_label(run_dir: Path) -> str:
+    """The time axis of a run: wall seconds on real processes, else virtual seconds."""
+    config = run_dir / "config.toml"
+    runtime = "sim"
+    if config.is_file():
+        runtime = str(tomllib.loads(config.read_text(encoding="utf-8")).get("runtime", "sim"))
+    return "wall seconds" if runtime in WALL_CLOCK_RUNTIMES else "virtual seconds"
+
+
 def plot_run(run_dir: Path) -> list[Path]:
     """Write every plot for one run directory; return their paths."""
     records = read_metrics(run_dir / "metrics.jsonl")
+    seconds = time_label(run_dir)
     return [
-        plot_eval(records, run_dir / "eval_loss.png"),
-        plot_timeline(records, run_dir / "timeline.png"),
-        plot_bytes(records, run_dir / "bytes.png"),
+        plot_eval(records, run_dir / "eval_loss.png", seconds=seconds),
+        plot_train_loss(records, run_dir / "train_loss.png", seconds),
+        plot_timeline(records, run_dir / "timeline.png", seconds),
+        plot_bytes(records, run_dir / "bytes.png", seconds=seconds),
     ]
 
 
-def plot_eval(records: Iterable[dict[str, Any]], out: Path, label_prefix: str = "") -> Path:
+def plot_eval(
+    records: Iterable[dict[str, Any]],
+    out: Path,
+    label_prefix: str = "",
+    seconds: str = "virtual seconds",
+) -> Path:
     evals: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for r in records:
         if r["kind"] == "eval":
@@ -42,7 +69,8 @@ def plot_eval(records: Iterable[dict[str, Any]], out: Path, label_prefix: str = 
         )
         ax_time.plot([r["t"] for r in rows], [r["loss"] for r in rows], marker=".", label=method)
     ax_tokens.set(xlabel="tokens trained (all learners)", ylabel="eval loss (nats/token)")
-    ax_time.set(xlabel="virtual seconds", ylabel="eval loss (nats/token)")
+    ax_tokens.xaxis.set_major_formatter(COUNT)
+    ax_time.set(xlabel=seconds, ylabel="eval loss (nats/token)")
     for ax in (ax_tokens, ax_time):
         ax.grid(alpha=0.3)
         ax.legend()
@@ -53,25 +81,53 @@ def plot_eval(records: Iterable[dict[str, Any]], out: Path, label_prefix: str = 
     return out
 
 
-def plot_timeline(records: Iterable[dict[str, Any]], out: Path) -> Path:
-    """Each learner's steps as ticks, faults as coloured spans, recoveries as green marks."""
+def outages(rows: list[dict[str, Any]], end: float) -> list[tuple[int, float, float]]:
+    """(learner, start, end) of every observed outage: from a crash, node loss or preemption
+    (or an unplanned exit) of a learner to the first round that merged its answer after it
+    recovered, or the run's end."""
+    spans: list[tuple[int, float, float]] = []
+    down: dict[int, float] = {}
+    back: set[int] = set()
+    for r in rows:
+        kind = r["kind"]
+        if kind == "chaos" and r["event"] in DOWN_KINDS and "skipped" not in r:
+            down.setdefault(r["learner"], r["t"])
+        elif (
+            kind == "exited" and r.get("code") and str(r.get("process", "")).startswith("learner-")
+        ):
+            down.setdefault(int(str(r["process"]).split("-")[1]), r["t"])
+        elif kind in ("recovered", "caught_up") and r["learner"] in down:
+            back.add(r["learner"])
+        elif kind == "round":
+            for m in [m for m in back if r["weights"].get(str(m))]:
+                spans.append((m, down.pop(m), r["t"]))
+                back.discard(m)
+    spans += [(m, t, end) for m, t in down.items()]
+    return spans
+
+
+def plot_timeline(
+    records: Iterable[dict[str, Any]], out: Path, seconds: str = "virtual seconds"
+) -> Path:
+    """Each learner's steps as ticks, observed outages (down until its answers merge again)
+    and planned faults as coloured spans, recoveries as green marks."""
     records = list(records)
     rows = [r for r in records if r["method"] == "decoupled"] or records
     fig, ax = plt.subplots(figsize=(11, 3.5))
     steps = defaultdict(list)
     end = max((r["t"] for r in rows), default=1.0)
     colors = {
-        "crash": "tab:red",
-        "node_loss": "darkred",
         "slow": "tab:orange",
         "freeze": "tab:purple",
         "link_cut": "tab:gray",
         "link_slow": "tab:brown",
     }
+    for m, start, stop in outages(rows, end):
+        ax.barh(m, stop - start, left=start, color="tab:red", alpha=0.3, height=0.6)
     for r in rows:
         if r["kind"] == "step":
             steps[r["learner"]].append(r["t"])
-        elif r["kind"] == "chaos" and r["event"] in colors:
+        elif r["kind"] == "chaos" and r["event"] in colors and "skipped" not in r:
             span = min(r["duration"] or end, end - r["t"])  # a duration of 0 lasts to the end
             ax.barh(
                 r["learner"], span, left=r["t"], color=colors[r["event"]], alpha=0.3, height=0.6
@@ -81,10 +137,10 @@ def plot_timeline(records: Iterable[dict[str, Any]], out: Path) -> Path:
     for learner, times in sorted(steps.items()):
         ax.plot(times, [learner] * len(times), "|", color="tab:blue", markersize=6)
     ax.set(
-        xlabel="virtual seconds",
+        xlabel=seconds,
         ylabel="learner",
         xlim=(0, end),
-        title="Learner timeline: steps (|), crash (red), node lost (dark red), slow (orange), "
+        title="Learner timeline: steps (|), down until merged again (red), slow (orange), "
         "freeze (purple), link cut (grey), recovered (^)",
     )
     ax.set_yticks(sorted(steps))
@@ -94,8 +150,37 @@ def plot_timeline(records: Iterable[dict[str, Any]], out: Path) -> Path:
     return out
 
 
-def plot_bytes(records: Iterable[dict[str, Any]], out: Path, bucket: float = 10.0) -> Path:
-    """Syncer broadcast bytes per virtual second, in buckets (Decoupled run)."""
+def plot_train_loss(
+    records: Iterable[dict[str, Any]], out: Path, seconds: str = "virtual seconds"
+) -> Path:
+    """Each learner's train loss (a moving average of its steps) against time, per method."""
+    curves: dict[tuple[str, int], list[tuple[float, float]]] = defaultdict(list)
+    for r in records:
+        if r["kind"] == "step":
+            points = curves[(r["method"], r["learner"])]
+            loss = float(r["loss"])
+            last = points[-1][1] if points else loss
+            points.append((r["t"], (1 - LOSS_SMOOTHING) * last + LOSS_SMOOTHING * loss))
+    fig, ax = plt.subplots(figsize=(11, 4))
+    for (method, m), points in sorted(curves.items()):
+        ax.plot([t for t, _ in points], [v for _, v in points], label=f"{method} {m}", lw=1)
+    ax.set(xlabel=seconds, ylabel="train loss (nats/token, smoothed)", title="Train loss")
+    ax.grid(alpha=0.3)
+    if curves:
+        ax.legend(fontsize="small", ncol=2)
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
+
+
+def plot_bytes(
+    records: Iterable[dict[str, Any]],
+    out: Path,
+    bucket: float = 10.0,
+    seconds: str = "virtual seconds",
+) -> Path:
+    """Syncer broadcast bytes per second, in buckets (Decoupled run)."""
     per_bucket: dict[int, float] = defaultdict(float)
     for r in records:
         if r["method"] == "decoupled" and r["kind"] == "round":
@@ -105,7 +190,8 @@ def plot_bytes(records: Iterable[dict[str, Any]], out: Path, bucket: float = 10.
     ax.plot(
         [k * bucket for k in keys], [per_bucket[k] / bucket for k in keys], drawstyle="steps-post"
     )
-    ax.set(xlabel="virtual seconds", ylabel="bytes / s", title="Syncer -> learners bandwidth")
+    ax.set(xlabel=seconds, ylabel="bytes / s", title="Syncer -> learners bandwidth")
+    ax.yaxis.set_major_formatter(COUNT)
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(out, dpi=100)

@@ -1,0 +1,224 @@
+"""Live progress on the terminal: a status line every few seconds, and every event as it
+happens.
+
+Fed the same records as ``metrics.jsonl`` (``ddiloco train`` calls it with each), so what
+the terminal says is what the run directory holds. A status line (every
+``report.progress_seconds`` of wall time, and at each evaluation) says, for the method
+running: its clock (``t``: virtual seconds on the simulated clock, wall seconds on real
+processes), tokens trained with the share of the budget, tokens per wall second since the
+last line, the ETA at the pace since the first step, the train loss (an exponential moving
+average over every learner's steps), merged rounds with the last round's answers and grace
+window, and each learner's state:
+
+``up`` (stepping; ``s<step>`` in the line), ``DOWN`` (crashed, lost its node, preempted,
+detected silent or exited), ``frozen``, ``joining`` (a slot asked for, not up yet),
+``copying`` (recovering from a peer or the syncer), ``left`` (gone cleanly).
+
+Event lines (chaos, detections, recoveries, a learner or the syncer up again, exits,
+rollbacks) print as they arrive. ``quiet`` prints nothing. Plain lines only: they read the
+same in a terminal and in a CI log.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+from typing import Any, TextIO
+
+LOSS_EMA = 0.05  # weight of each new step's loss in the moving average
+DOWN_EVENTS = {"crash": "crashed", "node_loss": "lost its node", "preempt": "was preempted"}
+
+
+def human_count(n: float) -> str:
+    """1234 -> 1.2K, 1.5e6 -> 1.5M (tokens, tokens per second)."""
+    for unit, scale in (("G", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.1f}{unit}"
+    return f"{n:.0f}"
+
+
+def human_seconds(s: float) -> str:
+    """65 -> 1m05s, 3700 -> 1h01m."""
+    s = max(0, int(s))
+    if s >= 3600:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    if s >= 60:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s}s"
+
+
+class Progress:
+    """What a user watching the run sees (see the module). Call it with every record."""
+
+    def __init__(
+        self,
+        total_tokens: int,
+        stream: TextIO = sys.stdout,
+        quiet: bool = False,
+        every: float = 5.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.total = total_tokens
+        self.stream = stream
+        self.quiet = quiet
+        self.every = every  # 0: status lines only at evaluations
+        self.clock = clock
+        self.started = clock()
+        self.method = ""
+        self.handlers: dict[str, Callable[[dict[str, Any]], None]] = {
+            "step": self._on_step,
+            "round": self._on_round,
+            "eval": self._on_eval,
+            "chaos": self._on_chaos,
+            "detected": self._on_detected,
+            "recovered": self._on_recovered,
+            "caught_up": self._on_recovered,  # a late first start copies a peer the same way
+            "learner_up": self._on_learner_up,
+            "left": self._on_left,
+            "syncer_up": self._on_syncer_up,
+            "restored": self._on_restored,
+            "exited": self._on_exited,
+            "rollback": self._on_rollback,
+        }
+        self._reset()
+
+    def _reset(self) -> None:
+        self.learners: dict[int, str] = {}
+        self.steps: dict[int, int] = {}
+        self.tokens = 0
+        self.loss: float | None = None
+        self.rounds = 0
+        self.last_round = ""
+        self.t = 0.0
+        self.method_started = self.clock()
+        self.last_line = self.clock()
+        self.last_tokens = 0
+        self.rate: float | None = None
+        self.first_step: float | None = None  # (the pace since then gives the ETA)
+
+    def __call__(self, method: str, record: dict[str, Any]) -> None:
+        if method != self.method:
+            self.method = method
+            self._reset()
+        self.t = float(record.get("t", self.t))
+        handler = self.handlers.get(str(record["kind"]))
+        if handler is not None:
+            handler(record)
+        if self.every and self.clock() - self.last_line >= self.every:
+            self.status()
+
+    # -- what each record changes -------------------------------------------------------------
+    def _on_step(self, r: dict[str, Any]) -> None:
+        m = r["learner"]
+        if self.first_step is None:
+            self.first_step = self.clock()
+        self.learners[m] = "up"
+        self.steps[m] = r["step"]
+        self.tokens += int(r.get("batch_tokens", 0))
+        loss = float(r["loss"])
+        self.loss = loss if self.loss is None else (1 - LOSS_EMA) * self.loss + LOSS_EMA * loss
+
+    def _on_round(self, r: dict[str, Any]) -> None:
+        self.rounds += 1
+        self.last_round = f"last {r['answers']}/{r['asked']} answers, grace {r['grace']:.2f}s"
+
+    def _on_eval(self, r: dict[str, Any]) -> None:
+        self.status(f"eval {r['loss']:.4f}")
+
+    def _on_chaos(self, r: dict[str, Any]) -> None:
+        m, kind = r["learner"], r["event"]
+        if "skipped" in r:
+            self.say(f"chaos {kind} on learner {m}: not played ({r['skipped']})")
+            return
+        lasting = f" for {r['duration']:.0f}s" if r.get("duration") else ""
+        if kind in DOWN_EVENTS:
+            self.learners[m] = "DOWN"
+            back = f" (back in {r['duration']:.0f}s)" if r.get("duration") else ""
+            self.say(f"learner {m} {DOWN_EVENTS[kind]}{back}")
+        elif kind == "freeze":
+            self.learners[m] = "frozen"
+            self.say(f"learner {m} frozen{lasting}")
+        elif kind == "leave":
+            self.say(f"learner {m} asked to leave")
+        elif kind == "join":
+            self.learners.setdefault(m, "joining")
+            self.say(f"learner {m} joining (a scavenged slot)")
+        elif kind == "syncer_crash":
+            self.say(f"syncer killed (back in {r['duration']:.0f}s)")
+        else:  # slow, link_slow, link_cut
+            factor = f" x{r['factor']:g}" if r.get("factor", 1.0) != 1.0 else ""
+            self.say(f"chaos {kind}{factor} on learner {m}{lasting}")
+
+    def _on_detected(self, r: dict[str, Any]) -> None:
+        self.learners[r["learner"]] = "DOWN"
+        self.say(f"syncer: learner {r['learner']} is silent: given up on until it returns")
+
+    def _on_recovered(self, r: dict[str, Any]) -> None:
+        src = r.get("source") or ("syncer" if r.get("peer") is None else f"peer {r['peer']}")
+        copied = f", {human_count(r['bytes'])}B" if r.get("bytes") else ""
+        self.learners[r["learner"]] = "up"
+        self.say(f"learner {r['learner']} recovered from {src}{copied}")
+
+    def _on_learner_up(self, r: dict[str, Any]) -> None:
+        m = r["learner"]
+        if self.learners.get(m) in ("DOWN", "joining"):
+            self.learners[m] = "copying"
+
+    def _on_left(self, r: dict[str, Any]) -> None:
+        self.learners[r["learner"]] = "left"
+        self.say(f"learner {r['learner']} left")
+
+    def _on_syncer_up(self, r: dict[str, Any]) -> None:
+        if self.rounds:  # (the first one is the start)
+            self.say("syncer up again")
+
+    def _on_restored(self, r: dict[str, Any]) -> None:
+        self.say(f"syncer restored from its store: versions {r.get('versions')}")
+
+    def _on_exited(self, r: dict[str, Any]) -> None:
+        process = str(r.get("process", ""))
+        if process.startswith("learner-") and r.get("code"):
+            self.learners[int(process.split("-")[1])] = "DOWN"
+        # (a failure's own line, with what happens next, goes to stderr: commands/train.py)
+
+    def _on_rollback(self, r: dict[str, Any]) -> None:
+        self.say(f"rollback to the last checkpoint: {human_count(r['tokens_lost'])} tokens lost")
+
+    # -- lines ------------------------------------------------------------------------------
+    def status(self, extra: str = "") -> None:
+        """The status line, now."""
+        now = self.clock()
+        interval = now - self.last_line
+        if interval > 0 and self.tokens > self.last_tokens:  # (else: the last pace known)
+            self.rate = (self.tokens - self.last_tokens) / interval
+        self.last_line, self.last_tokens = now, self.tokens
+        parts = [f"tokens {self.tokens:>11,} ({100.0 * self.tokens / max(1, self.total):5.1f}%)"]
+        if self.rate:
+            parts.append(f"{human_count(self.rate)} tok/s")
+        if self.first_step is not None and now > self.first_step and self.tokens:
+            pace = self.tokens / (now - self.first_step)  # (steadier than the last interval's)
+            parts.append(f"ETA {human_seconds(max(0, self.total - self.tokens) / pace)}")
+        if self.loss is not None:
+            parts.append(f"loss {self.loss:.3f}")
+        if extra:
+            parts.append(extra)
+        if self.rounds:
+            parts.append(f"rounds {self.rounds} ({self.last_round})")
+        if self.learners:
+            parts.append(" ".join(self._state(m) for m in sorted(self.learners)))
+        self.say("  ".join(parts))
+
+    def _state(self, m: int) -> str:
+        state = self.learners[m]
+        return f"{m}:s{self.steps[m]}" if state == "up" and m in self.steps else f"{m}:{state}"
+
+    def say(self, text: str) -> None:
+        if self.quiet:
+            return
+        wall = self.clock() - self.started
+        print(
+            f"[{wall:6.1f}s] {self.method:<14} t={self.t:8.1f}  {text}",
+            file=self.stream,
+            flush=True,
+        )

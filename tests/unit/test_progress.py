@@ -1,0 +1,78 @@
+"""The live progress lines: a status line at the configured interval, events as they come."""
+
+from __future__ import annotations
+
+import io
+
+from ddiloco.report.progress import Progress, human_count, human_seconds
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _progress(every: float = 5.0) -> tuple[Progress, io.StringIO, Clock]:
+    out, clock = io.StringIO(), Clock()
+    return Progress(10_000, stream=out, every=every, clock=clock), out, clock
+
+
+def _step(m: int, step: int, loss: float, t: float) -> dict[str, object]:
+    return {"kind": "step", "learner": m, "step": step, "loss": loss, "batch_tokens": 100, "t": t}
+
+
+def test_a_status_line_comes_every_interval_with_rate_eta_loss_and_states():
+    progress, out, clock = _progress(every=5.0)
+    for i in range(21):  # a step of 100 tokens every 0.5 s, the 2 learners in turn
+        clock.now = i * 0.5
+        progress("decoupled", _step(i % 2, i // 2, 4.0, clock.now))
+    lines = out.getvalue().splitlines()
+    assert len(lines) == 2, lines  # at 5 s and at 10 s
+    last = lines[-1]
+    assert "tokens       2,100 ( 21.0%)" in last and "200 tok/s" in last, last
+    assert "ETA 37s" in last and "loss 4.000" in last and "0:s10 1:s9" in last, last
+
+
+def test_events_print_as_they_happen_and_change_the_learners_states():
+    progress, out, _ = _progress(every=0.0)  # 0: status only at evaluations
+    progress("decoupled", _step(0, 1, 5.0, 1.0))
+    progress("decoupled", _step(1, 1, 5.0, 1.0))
+    events = [
+        {"kind": "chaos", "event": "node_loss", "learner": 1, "duration": 3.0, "factor": 1.0},
+        {"kind": "detected", "learner": 1},
+        {"kind": "chaos", "event": "freeze", "learner": 0, "duration": 2.0, "factor": 1.0},
+        {"kind": "chaos", "event": "link_cut", "learner": 0, "duration": 1.0, "factor": 1.0,
+         "skipped": "no proxy"},
+        {"kind": "learner_up", "learner": 1},
+    ]  # fmt: skip
+    for r in events:
+        progress("decoupled", {**r, "t": 2.0})
+    progress("decoupled", {"kind": "eval", "loss": 4.5, "tokens": 200, "t": 3.0})
+    lines = out.getvalue().splitlines()
+    assert "learner 1 lost its node (back in 3s)" in lines[0]
+    assert "learner 1 is silent" in lines[1]
+    assert "learner 0 frozen for 2s" in lines[2]
+    assert "not played (no proxy)" in lines[3]
+    assert "eval 4.5000" in lines[4] and "0:frozen 1:copying" in lines[4], lines[4]
+    progress("decoupled", {"kind": "recovered", "learner": 1, "peer": 0, "bytes": 2_500_000})
+    assert "learner 1 recovered from peer 0, 2.5MB" in out.getvalue().splitlines()[-1]
+
+
+def test_quiet_prints_nothing_and_a_new_method_starts_over():
+    out, clock = io.StringIO(), Clock()
+    quiet = Progress(100, stream=out, quiet=True, every=1.0, clock=clock)
+    clock.now = 5.0
+    quiet("decoupled", _step(0, 1, 3.0, 1.0))
+    assert out.getvalue() == ""
+    progress, out, _ = _progress(every=0.0)
+    progress("decoupled", _step(0, 7, 3.0, 1.0))
+    progress("data_parallel", {"kind": "eval", "loss": 4.0, "tokens": 0, "t": 0.0})
+    assert "tokens           0" in out.getvalue() and "0:s7" not in out.getvalue()
+
+
+def test_counts_and_durations_read_as_people_write_them():
+    assert [human_count(n) for n in (999, 1234, 1.5e6, 2e9)] == ["999", "1.2K", "1.5M", "2.0G"]
+    assert [human_seconds(s) for s in (5, 65, 3700)] == ["5s", "1m05s", "1h01m"]
