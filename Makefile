@@ -39,7 +39,16 @@ $(VENV)/.slurm: $(BIN)/ddiloco
 	else echo "make: no root or apt-get: the SLURM tests will be skipped"; fi
 	touch $@
 
-test: install $(VENV)/.extras $(VENV)/.slurm lint
+# Chromium and its driver for the status page's browser test (Debian packages, as root)
+$(VENV)/.chromium: $(BIN)/ddiloco
+	@if command -v chromium >/dev/null && command -v chromedriver >/dev/null; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null) \
+		|| echo "make: chromium could not be installed: the status page's browser test will be skipped"; \
+	else echo "make: no root or apt-get: the status page's browser test will be skipped"; fi
+	touch $@
+
+test: install $(VENV)/.extras $(VENV)/.slurm $(VENV)/.chromium lint
 	$(BIN)/pytest
 
 bench: install

@@ -276,6 +276,9 @@ class ProcessesConfig:
     # final rounds merge when all answered, or after this long with what came (0: no final
     # rounds: what the learners trained since their last merged answers is thrown away)
     final_round_seconds: float = 30.0
+    # the syncer's read-only status page, JSON and Prometheus metrics (HOST:PORT, port 0: a
+    # free one; "": off). Its URL is printed and written to <run>/status_url.
+    http: str = "127.0.0.1:0"
 
     def __post_init__(self) -> None:
         require(self.max_restarts >= 0, "processes.max_restarts", self.max_restarts, ">= 0")

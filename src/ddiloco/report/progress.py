@@ -172,6 +172,8 @@ class Progress:
     def _on_syncer_up(self, r: dict[str, Any]) -> None:
         if self.rounds:  # (the first one is the start)
             self.say("syncer up again")
+        if r.get("status_url"):
+            self.say(f"syncer status: {r['status_url']} (also status.json, metrics)")
 
     def _on_restored(self, r: dict[str, Any]) -> None:
         self.say(f"syncer restored from its store: versions {r.get('versions')}")

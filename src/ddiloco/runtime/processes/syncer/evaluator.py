@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import logging
 import threading
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -27,9 +28,16 @@ log = logging.getLogger(__name__)
 class Evaluator:
     """Evaluates copies of the global fragments, one at a time, on a background thread."""
 
-    def __init__(self, setup: RunSetup, events: Events) -> None:
+    def __init__(
+        self,
+        setup: RunSetup,
+        events: Events,
+        on_eval: Callable[[int, float], None] = lambda tokens, loss: None,
+    ) -> None:
+        """``on_eval(tokens, loss)``: told of every evaluation, on the evaluator's thread."""
         self.setup = setup
         self.events = events
+        self.on_eval = on_eval
         self.model = copy.deepcopy(setup.model)  # never the model the final eval uses
         setup.eval_batches  # noqa: B018 - built here, once, not by two threads at a time
         self.thread: threading.Thread | None = None
@@ -62,6 +70,7 @@ class Evaluator:
             )
             return
         self.counts["evals"] += 1
+        self.on_eval(tokens, loss)
         self.events("eval", tokens=tokens, loss=loss)
 
     def wait(self, timeout: float | None = None) -> None:

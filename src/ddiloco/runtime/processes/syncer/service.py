@@ -50,6 +50,7 @@ from ddiloco.runtime.processes.syncer.checkpoints import checkpoint_writer
 from ddiloco.runtime.processes.syncer.connections import Connections, Incoming
 from ddiloco.runtime.processes.syncer.evaluator import Evaluator
 from ddiloco.runtime.processes.syncer.restore import restore_service
+from ddiloco.runtime.processes.syncer.status import StatusBoard, StatusServer, snapshot_of
 from ddiloco.runtime.processes.syncer.store import (
     SyncerStore,
     fingerprint_of,
@@ -127,7 +128,8 @@ class SyncerService:
         self.conn = Connections(bind, run_id, secret, setup.slots, self.limits, shm)
         self.counts = self.conn.counts  # one tally of what was refused, dropped, re-sent
         self.send = self.conn.send
-        self.evaluator = Evaluator(setup, events)
+        self.status = StatusBoard(run_id)
+        self.evaluator = Evaluator(setup, events, on_eval=self.status.evaluated)
         self.checkpoints = checkpoint_writer(setup, Path(store_dir), run, self.tokens)
         # what one step of a learner can hold, and how fast steps may be credited
         self.tokens_per_step = setup.tokens_per_step * self.config.processes.ranks
@@ -161,14 +163,20 @@ class SyncerService:
         (not after a SIGTERM: that ends the run now); return the summary."""
         budget = self.config.train.tokens
         limit = self.config.train.max_virtual_seconds
-        self.events("syncer_up", session=self.conn.session)
-        while self.tokens < budget and not (limit and self.events.now() >= limit):
-            if self.stop.is_set():
-                break
-            self.turn(budget)
-        if not self.stop.is_set():
-            self.final_rounds()
-        return self.finish()
+        http = self.config.processes.http
+        server = StatusServer(http, self.status) if http else None
+        self.events("syncer_up", session=self.conn.session, status_url=server and server.url)
+        try:
+            while self.tokens < budget and not (limit and self.events.now() >= limit):
+                if self.stop.is_set():
+                    break
+                self.turn(budget)
+            if not self.stop.is_set():
+                self.final_rounds()
+            return self.finish()
+        finally:
+            if server is not None:
+                server.close()
 
     def turn(self, budget: int, finishing: bool = False) -> None:
         """One turn of the loop: a burst of messages, the merges due, the beat; then, unless
@@ -193,6 +201,7 @@ class SyncerService:
             self.store.save_ledger(self.ledger.to_state())  # narrows what a crash loses
             for m in list(self.incarnations):
                 self.send(m, "beat", meta={"live": m in self.syncer.policy.progress})
+            self.status.publish(snapshot_of(self, now))
         if finishing:
             return
         if self.next_eval <= self.tokens < budget:  # at the budget: finish() evaluates
@@ -413,6 +422,7 @@ class SyncerService:
             keys = [list(a.key) for a in result.round.answers]
             nbytes = self.send_fragment(live, result.fragment, result.version, result.tensors, keys)
             self.syncer.record_sync_time(time.monotonic() - started)
+            self.status.merged(result, self.events.now())
             self.events(**result.record(nbytes))
         self.ledger.release_merges()  # (none is left: every merge was persisted)
         if self.payloads:
@@ -483,12 +493,14 @@ class SyncerService:
             self.send(m, "stop")
         self.evaluator.wait()  # the run's result is evaluated last, here
         final = self.setup.eval_loss(self.syncer.fragments)
+        self.status.evaluated(self.tokens, final)
         self.events("eval", tokens=self.tokens, loss=final)
         self.write_final(final)
         # given up, or not back after a syncer restart: what it held died with it
         for m in sorted({*self.attendance.down_since, *self.ledger.absent()}):
             self.ledger.crashed(m, CRASH)
         self.ledger.close()
+        self.status.publish(snapshot_of(self, now))
         summary = service_summary(self, final, now)
         self.events("summary", **summary)
         for _ in range(3):  # stop is not acknowledged: say it a few times
