@@ -65,9 +65,7 @@ def test_the_status_page_shows_every_learner_and_changes_as_the_run_goes_on(tmp_
     pytest.importorskip("selenium", reason="the page test drives Chromium with selenium")
     parser = pytest.importorskip("prometheus_client.parser", reason="pip install prometheus-client")
     os.environ.setdefault("SE_OFFLINE", "true")  # (selenium must not look for drivers online)
-    config = load_config(
-        None, [*SMALL, "train.tokens=10000000", "processes.max_wall_seconds=150"]
-    )
+    config = load_config(None, [*SMALL, "train.tokens=10000000", "processes.max_wall_seconds=150"])
     state: dict[str, Any] = {"rounds": 0, "page": {}}
 
     def hook(launcher: Launcher, r: dict[str, Any]) -> None:
