@@ -73,7 +73,6 @@ def test_the_status_page_shows_every_learner_and_changes_as_the_run_goes_on(tmp_
         if state["rounds"] == 4 and "url" not in state:
             state["url"] = (tmp_path / "status_url").read_text().strip()
             state["status"] = [json.loads(get(state["url"] + "status.json"))]
-            state["metrics"] = get(state["url"] + "metrics").decode()
             try:
                 urllib.request.urlopen(
                     urllib.request.Request(state["url"] + "kill?learner=0", method="POST")
@@ -84,6 +83,7 @@ def test_the_status_page_shows_every_learner_and_changes_as_the_run_goes_on(tmp_
             state["browser"].start()
         if "browser" in state and not state["browser"].is_alive() and "stopped" not in state:
             state["status"].append(json.loads(get(state["url"] + "status.json")))
+            state["metrics"] = get(state["url"] + "metrics").decode()  # (both learners in)
             state["stopped"] = True
             launcher.request_stop()
 
