@@ -43,3 +43,30 @@ def kill_then_stop(
         stop_after_recovery(launcher, r, state, steps, learner)
 
     return hook, state
+
+
+def kill_syncer_then_stop(
+    rounds: int = 6, after: int = 8
+) -> tuple[Callable[[Any, dict[str, Any]], None], dict[str, Any]]:
+    """A hook that SIGKILLs the syncer once ``rounds`` rounds merged (restarting it 1 s later),
+    then stops the run ``after`` rounds after its restore; and the state it fills
+    (``versions``: fragment -> the last version broadcast before the kill, ``pid``: the
+    killed syncer's, ``restored``: the record, ``after``: rounds since)."""
+    state: dict[str, Any] = {"rounds": 0, "versions": {}}
+
+    def hook(launcher: Any, r: dict[str, Any]) -> None:
+        if r["kind"] == "round" and "restored" not in state:
+            state["rounds"] += 1
+            state["versions"][r["fragment"]] = r["version"]  # broadcast: acknowledged
+            if state["rounds"] == rounds:
+                state["pid"] = launcher.procs["syncer"].pid
+                launcher.crash_syncer(down_seconds=1.0)
+        if r["kind"] == "restored":
+            state["restored"] = r
+            state["after"] = 0
+        if r["kind"] == "round" and "restored" in state:
+            state["after"] += 1
+            if state["after"] == after:
+                launcher.request_stop()
+
+    return hook, state

@@ -13,13 +13,12 @@ from typing import Any
 import pytest
 import torch
 from bases import SMALL
-from hooks import kill_then_stop
+from hooks import kill_syncer_then_stop, kill_then_stop
 
 from ddiloco.commands.train import train
 from ddiloco.config import RunConfig, load_config
 from ddiloco.core.ledger import TokenLedger
 from ddiloco.report.summary import REQUIRED
-from ddiloco.runtime.processes.launcher.fragments import Launcher
 from ddiloco.runtime.processes.syncer.store import SyncerStore, recompute
 
 BASE = [
@@ -121,21 +120,7 @@ def test_a_learner_killed_mid_run_recovers_from_a_peer_while_the_other_keeps_ste
 def test_a_killed_syncer_restarts_from_its_durable_record_with_no_merge_lost_or_doubled(
     tmp_path, launch
 ):
-    state: dict[str, Any] = {"rounds": 0, "versions": {}}
-
-    def hook(launcher: Launcher, r: dict[str, Any]) -> None:
-        if r["kind"] == "round" and "restored" not in state:
-            state["rounds"] += 1
-            state["versions"][r["fragment"]] = r["version"]  # broadcast: acknowledged
-            if state["rounds"] == 6:
-                launcher.crash_syncer(down_seconds=1.0)
-        if r["kind"] == "restored":
-            state["restored"] = r
-            state["after"] = 0
-        if r["kind"] == "round" and "restored" in state:
-            state["after"] += 1
-            if state["after"] == 8:
-                launcher.request_stop()
+    hook, state = kill_syncer_then_stop()
 
     cfg = config("train.tokens=10000000", "processes.journal=true")
     summary, records = launch(cfg, tmp_path, hook)

@@ -20,7 +20,7 @@ from typing import Any
 import psutil
 import pytest
 from bases import SMALL, TINY
-from hooks import stop_after_recovery
+from hooks import kill_syncer_then_stop, stop_after_recovery
 from rundir import records
 
 from ddiloco.chaos.plan import ChaosEvent
@@ -337,22 +337,7 @@ def test_a_killed_syncer_actor_restarts_from_its_store_and_the_learners_find_it(
     config = on_cluster(
         cluster, [*SMALL, "train.tokens=10000000", "processes.max_wall_seconds=200"]
     )
-    state: dict[str, Any] = {"rounds": 0, "versions": {}}
-
-    def hook(launcher: RayLauncher, r: dict[str, Any]) -> None:
-        if r["kind"] == "round" and "restored" not in state:
-            state["rounds"] += 1
-            state["versions"][r["fragment"]] = r["version"]  # broadcast: acknowledged
-            if state["rounds"] == 6:
-                state["pid"] = launcher.procs["syncer"].pid
-                launcher.crash_syncer(down_seconds=1.0)  # the actor killed; Ray restarts it
-        if r["kind"] == "restored":
-            state["restored"] = r
-            state["after"] = 0
-        if r["kind"] == "round" and "restored" in state:
-            state["after"] += 1
-            if state["after"] == 8:
-                launcher.request_stop()
+    hook, state = kill_syncer_then_stop()
 
     rs: list[dict[str, Any]] = []
     launcher = RayLauncher(config, "decoupled", tmp_path / "run", rs.append, hooks=[hook])
