@@ -23,3 +23,10 @@ SHORT = [
     "sync.sync_every=4",
     "data.eval_batches=1",
 ]
+# ... run until the test's hook stops it, one eval batch at the end, a quick detection
+UNTIL_STOPPED = [
+    "train.tokens=10000000",
+    "train.eval_every=1000000",
+    "data.eval_batches=1",
+    "processes.detect_seconds=3.0",
+]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from bases import TINY
+from bases import TINY, UNTIL_STOPPED
 
 from ddiloco.chaos.plan import ChaosEvent
 from ddiloco.config import load_config
@@ -17,14 +17,11 @@ def test_a_scavenged_learner_joins_copies_a_peer_contributes_and_leaves_cleanly(
         None,
         [
             *TINY,
+            *UNTIL_STOPPED,
             "train.scavenged=1",
             "train.batch_size=4",
-            "train.tokens=10000000",
-            "train.eval_every=1000000",
             "sync.fragments=4",
             "sync.sync_every=8",
-            "data.eval_batches=1",
-            "processes.detect_seconds=3.0",
             "processes.max_wall_seconds=150",
         ],
     )
@@ -71,10 +68,7 @@ def test_a_preempted_learner_says_goodbye_and_is_back_after_its_duration_from_a_
         None,
         [
             *TINY,
-            "train.tokens=10000000",
-            "train.eval_every=1000000",
-            "data.eval_batches=1",
-            "processes.detect_seconds=3.0",
+            *UNTIL_STOPPED,
             "processes.max_wall_seconds=150",
         ],
     )

@@ -19,7 +19,7 @@ from typing import Any
 
 import psutil
 import pytest
-from bases import SMALL, TINY
+from bases import SMALL
 from hooks import kill_syncer_then_stop, stop_after_recovery
 from rundir import records
 
@@ -290,15 +290,13 @@ def test_a_learner_of_two_ranks_is_a_placement_group_that_restarts_whole(tmp_pat
     config = on_cluster(
         cluster,
         [
-            *TINY,
+            *SMALL,
             "ray.learner_cpus=0.5",  # 2 learners x 2 ranks on node a's 2 CPUs
             "processes.ranks=2",
             "train.batch_size=2",
+            "train.warmup_steps=20",
             "train.tokens=10000000",
-            "train.eval_every=8000",
-            "sync.fragments=4",
-            "sync.sync_every=8",
-            "data.eval_batches=1",
+            "processes.detect_seconds=5.0",
             "processes.max_wall_seconds=200",
         ],
     )

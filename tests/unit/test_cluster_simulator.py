@@ -150,24 +150,31 @@ def test_dp_matches_the_renewal_formula_and_young_daly():
         assert seeds_of(lambda r, o=other: goodput(r, o), 6).mean() < samples.mean()
 
 
+# Every failure costs one pause and nothing else: instant upscale, fixed repair time, steps
+# too short to lose work to, ten days of failures.
+ONE_PAUSE = (
+    "elastic.upscale_s=0.0",
+    "elastic.upscale_batch_s=0.0",
+    "failures.repair_sigma=0.0",
+    "timing.step_s=0.000001",
+    "run.days=10.0",
+)
+
+
+def pause_goodput(chips: float, repair: float, pause: float) -> float:
+    """(1 - u) / (1 + lambda * pause) for a job of ``chips`` (a failure a chip a year,
+    taking its 64-chip domain out for ``repair`` seconds)."""
+    u = repair / (YEAR_S / 64 + repair)  # Little: share of domains out for repair
+    lam = chips / YEAR_S * (1 - u)  # a domain under repair cannot fail again
+    return (1 - u) / (1 + lam * pause)
+
+
 @pytest.mark.parametrize("chips", [300_000, 1_200_000])
 def test_elastic_goodput_is_one_minus_u_over_one_plus_lambda_p(chips):
     pause, repair = 20.0, 3600.0
-    p = load_params(
-        overrides=[
-            "timing.detect_s=5.0",
-            f"elastic.downscale_s={pause - 5}",
-            "elastic.upscale_s=0.0",
-            "elastic.upscale_batch_s=0.0",
-            f"failures.repair_median_s={repair}",
-            "failures.repair_sigma=0.0",
-            "timing.step_s=0.000001",
-            "run.days=10.0",
-        ]
-    )
-    u = repair / (YEAR_S / 64 + repair)  # Little: share of domains out for repair
-    lam = chips / YEAR_S * (1 - u)  # a domain under repair cannot fail again
-    expected = (1 - u) / (1 + lam * pause)
+    overrides = ["timing.detect_s=5.0", f"elastic.downscale_s={pause - 5}"]
+    p = load_params(overrides=[*overrides, f"failures.repair_median_s={repair}", *ONE_PAUSE])
+    expected = pause_goodput(chips, repair, pause)
 
     def goodput(rng: np.random.Generator) -> float:
         return simulate_elastic(sample_trace(rng, chips, p.horizon_s, p.failures), p, rng).goodput
@@ -177,20 +184,9 @@ def test_elastic_goodput_is_one_minus_u_over_one_plus_lambda_p(chips):
 
 def test_a_decoupled_learner_is_an_elastic_job_of_n_over_m_chips():
     chips, m = 1_200_000, 4
-    p = load_params(
-        overrides=[
-            "elastic.upscale_s=0.0",
-            "elastic.upscale_batch_s=0.0",
-            "failures.repair_sigma=0.0",
-            "failures.repair_median_s=600.0",
-            "timing.step_s=0.000001",
-            "run.days=10.0",
-        ]
-    )
+    p = load_params(overrides=["failures.repair_median_s=600.0", *ONE_PAUSE])
     pause = p.timing.detect_s + p.elastic.downscale_s
-    u = 600.0 / (YEAR_S / 64 + 600.0)
-    lam = chips / m / YEAR_S * (1 - u)
-    expected = (1 - u) / (1 + lam * pause)
+    expected = pause_goodput(chips / m, 600.0, pause)
 
     def goodput(rng: np.random.Generator) -> float:
         trace = sample_trace(rng, chips, p.horizon_s, p.failures)

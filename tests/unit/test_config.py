@@ -43,6 +43,18 @@ def test_shipped_configs_load_and_round_trip_through_toml(tmp_path, name):
         ("methods=['magic']", "methods"),
         ("runtime=quantum", "runtime"),
         ("nonsense", "--set"),
+        ("override", "key"),
+        ("train.optimizer=lion", "train.optimizer"),
+        ("train.schedule=step", "train.schedule"),
+        ("train.precision=fp8", "train.precision"),
+        ("train.betas=[0.9]", "train.betas"),
+        ("train.betas=[0.9, 1.5]", "train.betas"),
+        ("train.grad_accum=0", "train.grad_accum"),
+        ("train.seq_len=-1", "train.seq_len"),
+        ("train.eps=0", "train.eps"),
+        ("train.min_lr_ratio=2", "train.min_lr_ratio"),
+        ("train.checkpoint_every=-5", "train.checkpoint_every"),
+        ("processes.learner_checkpoint_every=-1", "processes.learner_checkpoint_every"),
     ],
 )
 def test_bad_values_name_the_field(override, field):

@@ -243,17 +243,23 @@ def test_exit_78_idles_the_container_and_a_hostname_without_ordinal_is_refused(t
     assert odd.returncode == 78 and "no pod ordinal" in odd.stderr
 
 
-def test_sigterm_to_the_container_ends_ddiloco_cleanly_and_the_container(tmp_path):
-    box, env = learner_box(tmp_path)
-    values = {e["name"]: e.get("value", "") for e in box["env"]}
-    values |= env | {"POD_IP": "10.0.0.1", "HOSTNAME": "x-learner-1", "FAKE_WAIT": "1"}
-    proc = subprocess.Popen(box["command"], env=values, stderr=subprocess.PIPE, text=True)
+def signalled_once_started(command: list[str], env: dict[str, str], sig: int) -> int:
+    """Run a container's ``command`` until its (fake) ddiloco has started, send it ``sig``:
+    the container's exit status."""
+    proc = subprocess.Popen(command, env=env, text=True)
     started = Path(env["FAKE_REC"]) / "started"
     deadline = time.monotonic() + 10
     while not started.exists() and time.monotonic() < deadline:
         time.sleep(0.02)
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=10) == 0
+    proc.send_signal(sig)
+    return proc.wait(timeout=10)
+
+
+def test_sigterm_to_the_container_ends_ddiloco_cleanly_and_the_container(tmp_path):
+    box, env = learner_box(tmp_path)
+    values = {e["name"]: e.get("value", "") for e in box["env"]}
+    values |= env | {"POD_IP": "10.0.0.1", "HOSTNAME": "x-learner-1", "FAKE_WAIT": "1"}
+    assert signalled_once_started(box["command"], values, signal.SIGTERM) == 0
     assert (Path(env["FAKE_REC"]) / "signals").read_text() == "TERM\n"
     assert not (Path(env["FAKE_REC"]) / "sleep").exists()  # not idle: the pod is going away
 
@@ -628,13 +634,7 @@ def test_sigusr1_to_the_syncer_container_ends_the_run_and_leaves_it_idle(tmp_pat
     sts = by_kind(files_for("kubernetes"))["StatefulSet", "exp42-syncer"]
     box = sts["spec"]["template"]["spec"]["containers"][0]
     env = fakes(tmp_path)
-    proc = subprocess.Popen(box["command"], env=env | {"FAKE_WAIT": "1"}, text=True)
-    started = Path(env["FAKE_REC"]) / "started"
-    deadline = time.monotonic() + 10
-    while not started.exists() and time.monotonic() < deadline:
-        time.sleep(0.02)
-    proc.send_signal(signal.SIGUSR1)
-    assert proc.wait(timeout=10) == 0
+    assert signalled_once_started(box["command"], env | {"FAKE_WAIT": "1"}, signal.SIGUSR1) == 0
     (argv,) = calls(env)
     assert argv[:2] == ["ddiloco", "syncer"] and flag(argv, "--bind") == "0.0.0.0:5555"
     assert flag(argv, "--store") == "/var/lib/ddiloco/store"

@@ -91,13 +91,15 @@ class Plan:
         return self.ranks // self.nodes
 
 
-def plan(config: RunConfig, options: DeployOptions) -> Plan:
-    """Ports, ranks and GPUs, refusing combinations that cannot run."""
+def plan(config: RunConfig, options: DeployOptions, one_node: str = "") -> Plan:
+    """Ports, ranks and GPUs, refusing combinations that cannot run; ``one_node``: why this
+    target runs a learner on one node only (refuses ``--nodes-per-learner`` above 1)."""
     bound = config.processes.bind.rpartition(":")[2]
     port = options.port or (int(bound) if bound.isdigit() and int(bound) else DEFAULT_PORT)
     peer_port = options.peer_port or config.processes.peer_port or DEFAULT_PEER_PORT
     require(peer_port != port, "--peer-port", peer_port, f"must differ from the syncer's {port}")
     ranks, nodes = config.processes.ranks, options.nodes_per_learner
+    require(not one_node or nodes == 1, "--nodes-per-learner", nodes, one_node)
     require(
         ranks % nodes == 0,
         "--nodes-per-learner",

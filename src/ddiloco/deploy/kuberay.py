@@ -35,12 +35,10 @@ HEAD_PORTS = [
 def generate(config: RunConfig, config_text: str, options: DeployOptions) -> dict[str, str]:
     """``configmap.yaml``, ``raycluster.yaml`` and the README."""
     require(bool(options.image), "--image", options.image, "kuberay needs a Ray image with ddiloco")
-    p = plan(config, options)
-    require(
-        p.nodes == 1,
-        "--nodes-per-learner",
-        p.nodes,
-        "a Ray learner is one actor on one node (use slurm for several nodes)",
+    p = plan(
+        config,
+        options,
+        one_node="a Ray learner is one actor on one node (use slurm for several nodes)",
     )
     name = dns_name(options.run_id)
     cluster = ray_cluster(name, config, options, p)

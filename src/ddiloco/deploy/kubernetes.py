@@ -47,12 +47,10 @@ STARTED = f"{STATE_DIR}/started"
 def generate(config: RunConfig, config_text: str, options: DeployOptions) -> dict[str, str]:
     """``configmap.yaml``, ``syncer.yaml``, ``learners.yaml`` and the README."""
     require(bool(options.image), "--image", options.image, "kubernetes needs a container image")
-    p = plan(config, options)
-    require(
-        p.nodes == 1,
-        "--nodes-per-learner",
-        p.nodes,
-        "a Kubernetes learner is one pod (use slurm or kuberay for several nodes)",
+    p = plan(
+        config,
+        options,
+        one_node="a Kubernetes learner is one pod (use slurm or kuberay for several nodes)",
     )
     name = dns_name(options.run_id)
     return {

@@ -25,8 +25,9 @@ Bit for bit the eager path's results:
   int8 wrap of the int2 code 3 (never written) to ``q = -2`` (see ``_d2``).
 
 Layout of the code, for speed. Each codec has a serial kernel over rows of blocks
-(``_enc4_rows``...) and a parallel one (``_enc4``...) that hands chunks of rows to it over
-``prange``; small tensors and one-thread runs call the serial one, skipping the thread pool.
+(``_enc4_rows``...) and a parallel one (made by ``_encoder``/``_decoder``) that hands
+chunks of rows to it over ``prange``; small tensors and one-thread runs call the serial
+one, skipping the thread pool.
 Indices inside the rows are uint64: numba wraps negative signed indices, and that check
 (which LLVM cannot drop for an offset it cannot prove non-negative) turns every vector load
 into a gather, 2-3x slower. Slicing happens once per chunk, not per block: each slice
@@ -275,85 +276,36 @@ def _dec1_rows(packed: Any, sf: Any, bs: int, out: Any) -> None:
             out[base + _U(7) * p + j] = _d1(t >> 7) * s
 
 
-# Parallel drivers: chunks of ``step`` rows over the thread pool, one slice per chunk.
+# Parallel drivers: chunks of ``step`` rows over the thread pool, one slice per chunk. Each
+# is compiled for the one row kernel it closes over (numba freezes it as a constant).
 
 
-@_parallel
-def _enc8(x: Any, xi: Any, bs: int, am: Any, packed: Any, step: int) -> None:
-    nb = am.shape[0]
-    for c in prange((nb + step - 1) // step):
-        b0, b1 = c * step, min(nb, c * step + step)
-        _enc8_rows(x[b0 * bs : b1 * bs], xi[b0 * bs : b1 * bs], bs, am[b0:b1], packed[b0:b1])
+def _encoder(rows: Any) -> Any:
+    @_parallel
+    def encode(x: Any, xi: Any, bs: int, am: Any, packed: Any, step: int) -> None:
+        nb = am.shape[0]
+        for c in prange((nb + step - 1) // step):
+            b0, b1 = c * step, min(nb, c * step + step)
+            rows(x[b0 * bs : b1 * bs], xi[b0 * bs : b1 * bs], bs, am[b0:b1], packed[b0:b1])
+
+    return encode
 
 
-@_parallel
-def _enc4(x: Any, xi: Any, bs: int, am: Any, packed: Any, step: int) -> None:
-    nb = am.shape[0]
-    for c in prange((nb + step - 1) // step):
-        b0, b1 = c * step, min(nb, c * step + step)
-        _enc4_rows(x[b0 * bs : b1 * bs], xi[b0 * bs : b1 * bs], bs, am[b0:b1], packed[b0:b1])
+def _decoder(rows: Any) -> Any:
+    @_parallel
+    def decode(packed: Any, sf: Any, bs: int, out: Any, step: int) -> None:
+        nb = sf.shape[0]
+        for c in prange((nb + step - 1) // step):
+            b0, b1 = c * step, min(nb, c * step + step)
+            rows(packed[b0:b1], sf[b0:b1], bs, out[b0 * bs : b1 * bs])
+
+    return decode
 
 
-@_parallel
-def _enc2(x: Any, xi: Any, bs: int, am: Any, packed: Any, step: int) -> None:
-    nb = am.shape[0]
-    for c in prange((nb + step - 1) // step):
-        b0, b1 = c * step, min(nb, c * step + step)
-        _enc2_rows(x[b0 * bs : b1 * bs], xi[b0 * bs : b1 * bs], bs, am[b0:b1], packed[b0:b1])
-
-
-@_parallel
-def _enc1(x: Any, xi: Any, bs: int, am: Any, packed: Any, step: int) -> None:
-    nb = am.shape[0]
-    for c in prange((nb + step - 1) // step):
-        b0, b1 = c * step, min(nb, c * step + step)
-        _enc1_rows(x[b0 * bs : b1 * bs], xi[b0 * bs : b1 * bs], bs, am[b0:b1], packed[b0:b1])
-
-
-@_parallel
-def _dec8(packed: Any, sf: Any, bs: int, out: Any, step: int) -> None:
-    nb = sf.shape[0]
-    for c in prange((nb + step - 1) // step):
-        b0, b1 = c * step, min(nb, c * step + step)
-        _dec8_rows(packed[b0:b1], sf[b0:b1], bs, out[b0 * bs : b1 * bs])
-
-
-@_parallel
-def _dec4(packed: Any, sf: Any, bs: int, out: Any, step: int) -> None:
-    nb = sf.shape[0]
-    for c in prange((nb + step - 1) // step):
-        b0, b1 = c * step, min(nb, c * step + step)
-        _dec4_rows(packed[b0:b1], sf[b0:b1], bs, out[b0 * bs : b1 * bs])
-
-
-@_parallel
-def _dec2(packed: Any, sf: Any, bs: int, out: Any, step: int) -> None:
-    nb = sf.shape[0]
-    for c in prange((nb + step - 1) // step):
-        b0, b1 = c * step, min(nb, c * step + step)
-        _dec2_rows(packed[b0:b1], sf[b0:b1], bs, out[b0 * bs : b1 * bs])
-
-
-@_parallel
-def _dec1(packed: Any, sf: Any, bs: int, out: Any, step: int) -> None:
-    nb = sf.shape[0]
-    for c in prange((nb + step - 1) // step):
-        b0, b1 = c * step, min(nb, c * step + step)
-        _dec1_rows(packed[b0:b1], sf[b0:b1], bs, out[b0 * bs : b1 * bs])
-
-
-_ENC: dict[int, tuple[Any, Any]] = {
-    8: (_enc8_rows, _enc8),
-    4: (_enc4_rows, _enc4),
-    2: (_enc2_rows, _enc2),
-    1: (_enc1_rows, _enc1),
-}
-_DEC: dict[int, tuple[Any, Any]] = {
-    8: (_dec8_rows, _dec8),
-    4: (_dec4_rows, _dec4),
-    2: (_dec2_rows, _dec2),
-    1: (_dec1_rows, _dec1),
-}
+_ENC_ROWS = {8: _enc8_rows, 4: _enc4_rows, 2: _enc2_rows, 1: _enc1_rows}
+_DEC_ROWS = {8: _dec8_rows, 4: _dec4_rows, 2: _dec2_rows, 1: _dec1_rows}
+_ENC: dict[int, tuple[Any, Any]] = {b: (r, _encoder(r)) for b, r in _ENC_ROWS.items()}
+_DEC: dict[int, tuple[Any, Any]] = {b: (r, _decoder(r)) for b, r in _DEC_ROWS.items()}
 
 
 # One parallel launch at a time: numba's "workqueue" threading layer (its fallback without

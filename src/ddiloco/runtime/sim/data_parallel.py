@@ -15,21 +15,16 @@ A frozen replica stalls everyone (the all-reduce waits for it). Given a
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ddiloco.chaos.plan import ChaosEvent, chaos_record
 from ddiloco.data.corpus import BatchStream
 from ddiloco.data.info import bits_per_byte
 from ddiloco.data.shards import concatenated
 from ddiloco.report.summary import summary
-from ddiloco.runtime.run import RunSetup
-from ddiloco.runtime.sim.restart import Resume, dp_state, restore_dp
+from ddiloco.runtime.sim.restart import dp_state, restore_dp
 from ddiloco.runtime.sim.run import SimRun
 from ddiloco.trainer import Trainer, evaluate
-
-if TYPE_CHECKING:
-    from ddiloco.checkpoints.write import CheckpointWriter
 
 
 class DataParallelSim(SimRun):
@@ -37,14 +32,8 @@ class DataParallelSim(SimRun):
     ``train.checkpoint_every`` tokens it holds (rolled-back steps not counted) and at the end;
     with ``resume``, continues from that checkpoint."""
 
-    def __init__(
-        self,
-        setup: RunSetup,
-        emit: Callable[[dict[str, Any]], None],
-        checkpoints: CheckpointWriter | None = None,
-        resume: Resume | None = None,
-    ) -> None:
-        super().__init__(setup, emit, checkpoints, resume)
+    def assemble(self) -> None:
+        setup = self.setup
         config = setup.config
         self.elastic = setup.method.elastic
         self.eval_batches = setup.eval_batches

@@ -13,8 +13,7 @@ the run continues from that checkpoint instead (not bit for bit: :mod:`ddiloco.r
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -27,17 +26,13 @@ from ddiloco.core.rounds import AnswerMeta, Verdict
 from ddiloco.core.syncer_state import MergeResult, SyncerState
 from ddiloco.data.corpus import BatchStream
 from ddiloco.report.summary import Uptime
-from ddiloco.runtime.run import RunSetup
 from ddiloco.runtime.sim.accounting import summarize
 from ddiloco.runtime.sim.clock import EventQueue
 from ddiloco.runtime.sim.faults import Faults
 from ddiloco.runtime.sim.node import Node, NodeState
-from ddiloco.runtime.sim.restart import Resume, fragment_state, restore_fragments
+from ddiloco.runtime.sim.restart import fragment_state, restore_fragments
 from ddiloco.runtime.sim.run import SimRun
 from ddiloco.trainer import Trainer
-
-if TYPE_CHECKING:
-    from ddiloco.checkpoints.write import CheckpointWriter
 
 # How fast the CPU syncer merges (bytes of answers per second) in virtual time.
 SYNCER_BYTES_PER_SECOND = 2e9
@@ -48,14 +43,8 @@ class FragmentSim(SimRun):
     writes the global model (and its resume state) every ``train.checkpoint_every`` tokens
     and at the end; with ``resume``, continues from that checkpoint."""
 
-    def __init__(
-        self,
-        setup: RunSetup,
-        emit: Callable[[dict[str, Any]], None],
-        checkpoints: CheckpointWriter | None = None,
-        resume: Resume | None = None,
-    ) -> None:
-        super().__init__(setup, emit, checkpoints, resume)
+    def assemble(self) -> None:
+        setup = self.setup
         config = setup.config
         self.sync = setup.method.sync
         self.clock = EventQueue()

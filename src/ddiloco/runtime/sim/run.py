@@ -18,7 +18,8 @@ if TYPE_CHECKING:
 class SimRun:
     """The common head of :class:`~.engine.FragmentSim` and
     :class:`~.data_parallel.DataParallelSim`. The step-time generator is seeded by the
-    run's seed alone, so both runners draw the same hardware."""
+    run's seed alone, so both runners draw the same hardware. A runner builds the rest
+    of itself in :meth:`assemble`, which ``__init__`` calls last."""
 
     def __init__(
         self,
@@ -37,3 +38,8 @@ class SimRun:
             self.config.hardware, setup.slots, random.Random(self.config.seed)
         )
         self.network = Network(self.config.network)
+        self.assemble()
+
+    def assemble(self) -> None:
+        """Build what this runner adds to the common head (its model, clock, learners)."""
+        raise NotImplementedError
