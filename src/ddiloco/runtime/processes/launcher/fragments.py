@@ -396,11 +396,21 @@ class Launcher(Supervisor):
                 self.after(verdict.delay, functools.partial(self.start_learner, m, True))
         return self.summary is not None
 
-    def _wait_learners(self, seconds: float) -> None:
-        deadline = time.monotonic() + seconds
-        while time.monotonic() < deadline and not self.abort:
-            if all(p.poll() is not None for n, p in self.procs.items() if n != PROXY):
+    def _wait_learners(self, seconds: float, grace: float = 2.0) -> None:
+        """After the summary: the learners the syncer stopped exit on their own; one it never
+        let in (started or restarted as the run ended) waits for a welcome that cannot come,
+        so what still runs after ``grace`` seconds is asked to leave (SIGTERM)."""
+        start = time.monotonic()
+        asked = False
+        while time.monotonic() < start + seconds and not self.abort:
+            running = [n for n, p in self.procs.items() if n != PROXY and p.poll() is None]
+            if not running:
                 break
+            if not asked and time.monotonic() >= start + grace:
+                asked = True
+                for name in running:
+                    if name != SYNCER:
+                        self.ask_to_stop(name)
             self.pump(0.05)
         time.sleep(0.2)  # the readers' last lines
         self.drain()

@@ -182,7 +182,13 @@ class SyncerLink(threading.Thread):
         return {}
 
     def close(self, flush_seconds: float = 0.5) -> None:
-        time.sleep(flush_seconds if self.state is not LinkState.UNREGISTERED else 0.0)
+        """Stop the thread once it has sent what is queued (a goodbye, the last progress),
+        waiting up to ``flush_seconds`` for that."""
+        if self.state is not LinkState.UNREGISTERED:
+            deadline = time.monotonic() + flush_seconds
+            while not self.outbox.empty() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            time.sleep(0.05)  # the item taken last: sent by the thread, written by zmq's
         self._closing.set()
         self.join(timeout=5.0)
         self.wire.close()

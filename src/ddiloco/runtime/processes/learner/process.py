@@ -162,6 +162,7 @@ class LearnerProcess:
     def run(self) -> int:
         on_terminate(self.leaving.set)  # SIGTERM: a clean leave
         copied = self.join or self.resume  # rank 0 starts from a state the others copy
+        unwelcomed = False  # asked to leave before any syncer let us in
         if self.ranks.leader:
             self.link.start()
             self.server.start()
@@ -175,13 +176,16 @@ class LearnerProcess:
             # syncer would otherwise train alone and report it all at once, spending the
             # token budget before a single merge (the link gives up loudly after
             # processes.give_up_seconds; the loop then stops at its first boundary)
-            self.link.welcomed.wait()
-            if not copied and self.late():
+            unwelcomed = not self.await_welcome()
+            if not unwelcomed and not copied and self.late():
                 self.recover(kind="caught_up")
                 copied = True
-        if self.ranks.active:  # did rank 0 join late? (then every rank copies its state)
-            flag = self.ranks.share_bytes(bytes([copied]) if self.ranks.leader else None)
-            copied = flag == b"\x01"
+        if self.ranks.active:  # rank 0's start on every rank: 0 fresh, 1 copied, 2 leave now
+            start = bytes([2 if unwelcomed else int(copied)])
+            flag = self.ranks.share_bytes(start if self.ranks.leader else None)
+            unwelcomed, copied = flag == b"\x02", flag == b"\x01"
+        if unwelcomed:
+            return self.leave_unwelcomed()
         if self.ranks.active and copied:  # every rank starts from what rank 0 recovered
             blob = self.ranks.share_bytes(self.snapshot() if self.ranks.leader else None)
             if not self.ranks.leader:
@@ -225,6 +229,23 @@ class LearnerProcess:
                 self.link.close()
                 self.server.close()
             self.ranks.close()
+        return 0
+
+    def await_welcome(self) -> bool:
+        """Wait for the first welcome (a link that gives up sets it too); False if told to
+        stop or to leave first: the run ended, or was stopped, before a syncer let us in."""
+        while not self.link.welcomed.wait(0.1):
+            if self.leaving.is_set() or self.link.stopped.is_set():
+                return False
+        return True
+
+    def leave_unwelcomed(self) -> int:
+        """A clean exit for a learner that never trained: nothing to answer or to save."""
+        log.warning("learner %d: asked to leave before a syncer let it in", self.m)
+        if self.ranks.leader:
+            self.link.close(flush_seconds=0.0)
+            self.server.close()
+        self.ranks.close()
         return 0
 
     def late(self) -> bool:
