@@ -2,7 +2,13 @@
 
 Binds to loopback unless told otherwise; every frame is authenticated with the run secret
 ($DDILOCO_SECRET in hex, or --secret-file). Restarted with the same --store it resumes from
-its durable state. Prints events as ``@event {json}`` lines (the launcher relays them).
+its durable state. Prints events as ``@event {json}`` lines (the launcher relays them); with
+``--out RUN`` (a syncer started by hand, e.g. on the head host of a multi-host run) it
+writes a run directory instead, as ``ddiloco train`` does: ``metrics.jsonl`` (the syncer's
+records: rounds, evaluations, joins, detections), progress lines on the terminal,
+TensorBoard if configured, and at the end ``summary.json`` and the plots, so ``ddiloco
+compare`` reads it. The store then defaults to ``RUN/syncer_state``; a syncer restarted with
+the same ``--out`` resumes from it and appends to the records.
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ import time
 from pathlib import Path
 
 from ddiloco.commands import add_config_arguments
-from ddiloco.config import load_config
+from ddiloco.config import load_config, to_toml
 from ddiloco.runtime.processes.transport.events import Events
 from ddiloco.runtime.processes.transport.sockets import load_secret, parse_address
 
@@ -39,7 +45,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="127.0.0.1:5555",
         help="HOST:PORT to listen on (default: %(default)s, loopback only)",
     )
-    parser.add_argument("--store", help="durable state directory (default: runs/<name>-syncer)")
+    parser.add_argument(
+        "--store",
+        help="durable state directory (default: OUT/syncer_state, else runs/<name>-syncer)",
+    )
+    parser.add_argument(
+        "--out",
+        metavar="RUN",
+        help="write a run directory here: metrics, progress lines, summary.json and plots",
+    )
+    parser.add_argument("--quiet", action="store_true", help="with --out: no progress lines")
     parser.add_argument("--journal", action="store_true", help="also journal every merge's inputs")
     parser.add_argument(
         "--detect-seconds",
@@ -69,8 +84,24 @@ def run(args: argparse.Namespace) -> int:
     config = load_config(args.config, list(args.set))
     secret = load_secret(args.secret_file)
     setup = RunSetup(config, args.method)
-    store = Path(args.store or f"runs/{config.name}-syncer")
-    events = Events(args.t0 if args.t0 is not None else time.time())
+    out = Path(args.out) if args.out else None
+    store = Path(args.store or (out / "syncer_state" if out else f"runs/{config.name}-syncer"))
+    t0 = args.t0 if args.t0 is not None else time.time()
+    writer = None
+    if out is not None:  # a run directory of our own (a restart appends to it)
+        from ddiloco.report.run_writer import RunWriter
+        from ddiloco.runtime.resume import end_line, last_time
+
+        again = (out / "metrics.jsonl").is_file()
+        out.mkdir(parents=True, exist_ok=True)
+        if not (out / "config.toml").is_file():
+            (out / "config.toml").write_text(to_toml(config), encoding="utf-8")
+        if again:
+            end_line(out)
+            t0 = t0 if args.t0 is not None else time.time() - last_time(out)
+        writer = RunWriter(out, config, quiet=args.quiet, append=again)
+        writer.begin(args.method)
+    events = Events(t0, sink=writer.emit if writer else None)
     service = SyncerService(
         setup,
         args.bind,
@@ -82,5 +113,23 @@ def run(args: argparse.Namespace) -> int:
         detect_seconds=args.detect_seconds or config.processes.detect_seconds,
         stop=stop,
     )
-    service.serve()
+    summary = None
+    try:
+        result = service.serve()
+        if writer is not None:
+            from ddiloco.report.summary import syncer_summary
+
+            summary = syncer_summary(
+                result, method=args.method, runtime="processes", seconds=events.now()
+            )
+            summary["stop_signal"] = "SIGTERM" if stop.is_set() else None
+            writer.ended(summary)
+    finally:
+        if writer is not None:
+            writer.close()
+    if out is not None and summary is not None:
+        from ddiloco.report.run_writer import finish
+
+        finish(out, [summary])
+        print(f"run directory: {out}", flush=True)
     return 0

@@ -36,11 +36,8 @@ from ddiloco.config import RUNTIMES, WALL_CLOCK_RUNTIMES, RunConfig, load_config
 from ddiloco.data.corpus import TokenSplits
 from ddiloco.errors import ConfigError
 from ddiloco.methods import method_for
-from ddiloco.report.metrics import MetricsWriter, write_json
-from ddiloco.report.plots import plot_run
-from ddiloco.report.progress import Progress
-from ddiloco.report.summary import add_equal_time
-from ddiloco.report.tensorboard import TensorBoardSink
+from ddiloco.report.metrics import write_json
+from ddiloco.report.run_writer import RunWriter, finish
 from ddiloco.report.text import human_bytes, table
 from ddiloco.runtime.contract import assemble, check_contract
 from ddiloco.runtime.resume import end_line, last_time, refuse_reuse, resumed_config
@@ -167,19 +164,14 @@ def train(
     restarts = sim_restarts(config, out) if resume and not processes else {}
     if resume:
         end_line(out)
-    board = TensorBoardSink(out) if config.report.tensorboard else None  # (refused if missing)
-    metrics = MetricsWriter(out / "metrics.jsonl", append=resume)
-    progress = Progress(config.train.tokens, quiet=quiet, every=config.report.progress_seconds)
+    writer = RunWriter(out, config, quiet=quiet, append=resume)
     summaries = []
     try:
         for method in config.methods:
-            metrics.method = method
+            writer.begin(method)
 
             def emit(record: dict[str, Any], method: str = method) -> None:
-                metrics.emit(record)
-                progress(method, record)
-                if board is not None:
-                    board(method, record)
+                writer.emit(record)
                 if record["kind"] == "exited" and record["code"] and not record["gave_up"]:
                     print(exited_line(method, record), file=sys.stderr, flush=True)
 
@@ -198,19 +190,12 @@ def train(
                 summary = run_method(config, method, splits, evals, emit, out)
             summary["wall_seconds"] = time.monotonic() - started
             summaries.append(summary)
-            if board is not None:
-                board.summary(method, summary)
+            writer.ended(summary)
             if summary.get("stop_signal"):
                 break  # the user stopped the run: not the next method either
     finally:
-        metrics.close()
-        if board is not None:
-            board.close()
-    add_equal_time(summaries, eval_curves(out / "metrics.jsonl"))
-    primary = dict(summaries[0])
-    primary["methods"] = {s["method"]: s for s in summaries}
-    write_json(out / "summary.json", primary)
-    plot_run(out)
+        writer.close()
+    finish(out, summaries)
     return summaries
 
 
@@ -332,25 +317,6 @@ def sim_restarts(config: RunConfig, out: Path) -> dict[str, Resume | None]:
                 f"t={r.t:.1f} virtual s); not bit for bit the uninterrupted run"
             )
     return found
-
-
-def eval_curves(path: Path) -> dict[str, list[tuple[float, float]]]:
-    """Each method's (time, eval loss) evaluations, from a run's metrics (a resumed run's
-    earlier launches included; on the simulated clock, a method's evaluations after the
-    time it resumed from are the abandoned launch's, and left out)."""
-    curves: dict[str, list[tuple[float, float]]] = {}
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            try:
-                r = json.loads(line)
-            except ValueError:  # a line cut by a crash (a resumed run's earlier launch)
-                continue
-            if r.get("kind") == "resume" and "t" in r:
-                kept = [p for p in curves.get(r["method"], []) if p[0] <= float(r["t"])]
-                curves[r["method"]] = kept
-            elif r.get("kind") == "eval" and "t" in r:
-                curves.setdefault(r["method"], []).append((float(r["t"]), float(r["loss"])))
-    return curves
 
 
 def render(summaries: list[dict[str, Any]]) -> str:

@@ -75,6 +75,7 @@ class Progress:
             "recovered": self._on_recovered,
             "caught_up": self._on_recovered,  # a late first start copies a peer the same way
             "learner_up": self._on_learner_up,
+            "joined": self._on_joined,
             "left": self._on_left,
             "syncer_up": self._on_syncer_up,
             "restored": self._on_restored,
@@ -121,6 +122,10 @@ class Progress:
 
     def _on_round(self, r: dict[str, Any]) -> None:
         self.rounds += 1
+        if not self.steps and "tokens" in r:  # a syncer's own records: the tokens it heard of
+            self.tokens = max(self.tokens, int(r["tokens"]))
+            if self.first_step is None:
+                self.first_step = self.clock()
         self.last_round = f"last {r['answers']}/{r['asked']} answers, grace {r['grace']:.2f}s"
 
     def _on_eval(self, r: dict[str, Any]) -> None:
@@ -164,6 +169,10 @@ class Progress:
         m = r["learner"]
         if self.learners.get(m) in ("DOWN", "joining"):
             self.learners[m] = "copying"
+
+    def _on_joined(self, r: dict[str, Any]) -> None:
+        """The syncer let a learner in (all a hand-started syncer hears of its learners)."""
+        self.learners.setdefault(r["learner"], "up")
 
     def _on_left(self, r: dict[str, Any]) -> None:
         self.learners[r["learner"]] = "left"

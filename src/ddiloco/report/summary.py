@@ -131,6 +131,48 @@ def summary(
     return out
 
 
+# what a syncer's summary holds under the schema's names, and what the schema computes itself
+_SYNCER_SCHEMA_KEYS = (
+    "eval_loss",
+    "tokens_merged",
+    "tokens_wasted",
+    "goodput",
+    "uptime",
+    "bytes_sent",
+    "bytes_received",
+)
+_COMPUTED = ("method", "runtime", "clock", "token_efficiency", "virtual_seconds", "bytes_per_token")
+
+
+def syncer_summary(
+    record: Mapping[str, Any],
+    *,
+    method: str,
+    runtime: str,
+    seconds: float,
+    idle_seconds: float = 0.0,
+    **extra: Any,
+) -> dict[str, Any]:
+    """A syncer service's summary (its ``summary`` event, or what ``serve`` returns) in the
+    schema, with what its supervisor counted (``extra``): how the launchers and a
+    hand-started ``ddiloco syncer --out`` write the same summary.json."""
+    rest = {k: v for k, v in record.items() if k not in ("kind", "t", *_COMPUTED)}
+    rest.pop("idle_seconds", None)
+    rest.setdefault("summary_source", "syncer")
+    rest.update(extra)
+    schema = {k: rest.pop(k) for k in _SYNCER_SCHEMA_KEYS}
+    return summary(
+        method=method,
+        runtime=runtime,
+        tokens=int(rest.pop("tokens")),
+        seconds=seconds,
+        ledger_balanced=bool(rest.pop("ledger_balanced", False)),
+        idle_seconds=idle_seconds,
+        **schema,
+        **rest,
+    )
+
+
 def loss_at(curve: Sequence[tuple[float, float]], t: float) -> float | None:
     """The eval loss at time ``t`` on a curve of (time, loss) evaluations, linear between
     two; the last loss once the curve has ended; None before the first evaluation."""

@@ -51,7 +51,7 @@ from ddiloco.config import RunConfig, to_toml
 from ddiloco.errors import FATAL_EXIT as FATAL_EXIT  # re-exported: what a process exits with
 from ddiloco.errors import ConfigError
 from ddiloco.methods import method_for
-from ddiloco.report.summary import summary as report_summary
+from ddiloco.report.summary import syncer_summary
 from ddiloco.runtime.processes.launcher.devices import (
     GPU_ENV,
     assign_gpus,
@@ -425,10 +425,8 @@ class Launcher(Supervisor):
         """The syncer's (or our own) summary in the schema every runtime writes
         (:func:`ddiloco.report.summary.summary`), with the launcher's own counts."""
         assert summary is not None
-        extra = {k: v for k, v in summary.items() if k not in ("kind", "t")}
-        extra.setdefault("summary_source", "syncer")
         done = self.learner_done.values()
-        extra.update(
+        extra: dict[str, Any] = dict(
             stopped=self.stop_requested,
             stop_signal=signal.Signals(self.stop_signal).name if self.stop_signal else None,
             bytes_peer_recovery=sum(r.get("bytes_peer", 0) for r in done),
@@ -437,36 +435,12 @@ class Launcher(Supervisor):
         )
         if self.links is not None:
             extra["proxy"] = self.links.counts
-        schema = {
-            k: extra.pop(k)
-            for k in (
-                "eval_loss",
-                "tokens_merged",
-                "tokens_wasted",
-                "goodput",
-                "uptime",
-                "bytes_sent",
-                "bytes_received",
-            )
-        }
-        for k in (
-            "method",
-            "runtime",
-            "clock",
-            "token_efficiency",
-            "virtual_seconds",
-            "bytes_per_token",
-            "idle_seconds",
-        ):  # the schema's to compute
-            extra.pop(k, None)
-        return report_summary(
+        return syncer_summary(
+            summary,
             method=self.method,
             runtime=self.RUNTIME,
-            tokens=int(extra.pop("tokens")),
             seconds=float(summary["t"]),  # wall seconds on this clock
-            ledger_balanced=bool(extra.pop("ledger_balanced", False)),
             # lock-step waiting, summed over learners (0 for decoupled: they never wait)
             idle_seconds=float(sum(r.get("idle_seconds", 0.0) for r in done)),
-            **schema,
             **extra,
         )

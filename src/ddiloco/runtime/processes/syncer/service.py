@@ -423,7 +423,7 @@ class SyncerService:
             nbytes = self.send_fragment(live, result.fragment, result.version, result.tensors, keys)
             self.syncer.record_sync_time(time.monotonic() - started)
             self.status.merged(result, self.events.now())
-            self.events(**result.record(nbytes))
+            self.events(**result.record(nbytes), tokens=self.tokens)  # (trained, as reported)
         self.ledger.release_merges()  # (none is left: every merge was persisted)
         if self.payloads:
             for key in [k for k in self.payloads if k not in self.syncer.updates]:

@@ -7,17 +7,22 @@ import json
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 EVENT_PREFIX = "@event "
 
 
 class Events:
-    """Events as JSON lines on stdout (``@event {...}``), stamped with seconds since t0."""
+    """Events as JSON lines on stdout (``@event {...}``), stamped with seconds since t0;
+    with ``sink``, handed to it instead (a hand-started syncer's own run directory)."""
 
-    def __init__(self, t0: float, stream: Any = None) -> None:
+    def __init__(
+        self, t0: float, stream: Any = None, sink: Callable[[dict[str, Any]], None] | None = None
+    ) -> None:
         self.t0 = t0
         self.stream = stream or sys.stdout
+        self.sink = sink
         self._lock = threading.Lock()
 
     def now(self) -> float:
@@ -25,6 +30,10 @@ class Events:
 
     def __call__(self, kind: str, **fields: Any) -> None:
         record = {"kind": kind, "t": round(self.now(), 4), **fields}
+        if self.sink is not None:
+            with self._lock:  # (events come from several threads; the sink is not shared)
+                self.sink(json.loads(json.dumps(record, default=_jsonable)))
+            return
         line = EVENT_PREFIX + json.dumps(record, sort_keys=True, default=_jsonable) + "\n"
         with self._lock:
             self.stream.write(line)

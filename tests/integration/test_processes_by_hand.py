@@ -1,0 +1,84 @@
+"""A run started by hand, as on several hosts (here all on loopback): ``ddiloco syncer
+--out RUN`` and two ``ddiloco learner`` processes. The syncer writes the same run directory
+as ``ddiloco train`` (metrics, summary, plots) and progress lines instead of raw events, so
+``ddiloco compare`` reads a multi-host run."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from bases import SHORT
+
+from ddiloco.cli import main
+from ddiloco.config import load_config, to_toml
+from ddiloco.report.summary import REQUIRED
+from ddiloco.runtime.processes.launcher.fragments import free_port
+from ddiloco.runtime.processes.transport.events import EVENT_PREFIX
+from ddiloco.runtime.processes.transport.sockets import SECRET_ENV
+
+RUN_ID = "by-hand"
+
+
+def ddiloco(*args: str, log: Path, env: dict[str, str]) -> subprocess.Popen[str]:
+    with log.open("w") as out:
+        return subprocess.Popen(
+            [sys.executable, "-m", "ddiloco.cli", *args],
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+
+
+def test_a_hand_started_syncer_writes_a_run_directory_that_compare_reads(tmp_path, capsys):
+    config = load_config(None, [*SHORT, "train.tokens=16000", "report.progress_seconds=1.0"])
+    (tmp_path / "run.toml").write_text(to_toml(config))
+    common = ["--config", str(tmp_path / "run.toml"), "--run-id", RUN_ID]
+    env = {**os.environ, SECRET_ENV: bytes(range(32)).hex()}
+    address = f"127.0.0.1:{free_port('127.0.0.1')}"
+    run = tmp_path / "run"
+    syncer = ddiloco(
+        "syncer", "--bind", address, "--out", str(run), *common, log=tmp_path / "s.log", env=env
+    )
+    learners = [
+        ddiloco(
+            "learner", "--syncer", address, "--id", str(m), *common,
+            log=tmp_path / f"l{m}.log", env=env,
+        )
+        for m in range(2)
+    ]  # fmt: skip
+    try:
+        assert syncer.wait(timeout=180) == 0, (tmp_path / "s.log").read_text()
+        for learner in learners:
+            assert learner.wait(timeout=30) == 0
+    finally:
+        for p in (syncer, *learners):
+            if p.poll() is None:
+                p.kill()
+    said = (tmp_path / "s.log").read_text()
+    assert EVENT_PREFIX not in said  # lines for a person, the records in the directory
+    assert "syncer status: http://" in said and "tokens" in said and "eval" in said
+    assert f"run directory: {run}" in said
+    assert (run / "config.toml").is_file() and (run / "syncer_state").is_dir()
+
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    kinds = {r["kind"] for r in records}
+    assert {"syncer_up", "round", "eval", "joined", "final_rounds", "summary"} <= kinds, kinds
+    assert all(r["method"] == "decoupled" for r in records)
+    rounds = [r for r in records if r["kind"] == "round"]
+    assert rounds[-1]["tokens"] >= 16000 and rounds[-1]["weights"]
+    summary = json.loads((run / "summary.json").read_text())
+    assert set(REQUIRED) <= set(summary) and summary["runtime"] == "processes"
+    assert summary["tokens"] >= 16000 and summary["ledger_balanced"], summary
+    assert summary["methods"]["decoupled"]["eval_loss"] == summary["eval_loss"] < 5.0
+    for plot in ("eval_loss.png", "timeline.png", "bytes.png"):
+        assert (run / plot).stat().st_size > 0
+
+    capsys.readouterr()
+    assert main(["compare", str(run), "--out", str(tmp_path / "cmp")]) == 0
+    table = capsys.readouterr().out
+    assert "decoupled" in table and str(tmp_path / "cmp.png") in table
