@@ -279,8 +279,17 @@ class ProcessesConfig:
     # the syncer's read-only status page, JSON and Prometheus metrics (HOST:PORT, port 0: a
     # free one; "": off). Its URL is printed and written to <run>/status_url.
     http: str = "127.0.0.1:0"
+    # the page's actions (kill / leave a learner, with the run secret): "auto" (on when
+    # processes.http binds loopback only), "on", "off"
+    http_actions: str = "auto"
 
     def __post_init__(self) -> None:
+        require(
+            self.http_actions in ("auto", "on", "off"),
+            "processes.http_actions",
+            self.http_actions,
+            "one of auto, on, off",
+        )
         require(self.max_restarts >= 0, "processes.max_restarts", self.max_restarts, ">= 0")
         require(0 <= self.peer_port <= 65535, "processes.peer_port", self.peer_port, "0..65535")
         for name in (

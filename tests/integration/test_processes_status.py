@@ -1,6 +1,8 @@
 """The syncer's status endpoint during a real run: the page in headless Chromium lists every
 learner and changes while the run goes on, ``/status.json`` says the same, ``/metrics``
-parses as Prometheus text, and nothing sent to it changes the run."""
+parses as Prometheus text; a kill without the run secret (or with another) is refused and
+changes nothing, and the page's kill button with the secret crashes the learner, which
+the launcher restarts."""
 
 from __future__ import annotations
 
@@ -29,8 +31,18 @@ def get(url: str) -> bytes:
         return bytes(reply.read())
 
 
-def browse(url: str, out: dict[str, Any]) -> None:
-    """Load the page twice in headless Chromium, 3 s apart: the learners' rows each time."""
+def post(url: str, token: str | None) -> int:
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, method="POST", headers=headers)):
+            return 202
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
+def browse(url: str, out: dict[str, Any], secret: str) -> None:
+    """Load the page twice in headless Chromium, 3 s apart (the learners' rows each time),
+    then kill learner 1 with its button and the run secret."""
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
     from selenium.webdriver.common.by import By
@@ -53,6 +65,12 @@ def browse(url: str, out: dict[str, Any]) -> None:
                 "head": driver.find_element(By.ID, "head").text,
             }
             time.sleep(3.0)
+        driver.find_element(By.ID, "secret").send_keys(secret)
+        row = driver.find_elements(By.CSS_SELECTOR, "tr.learner")[1]
+        row.find_element(By.CSS_SELECTOR, "button.kill").click()
+        said = driver.find_element(By.ID, "said")
+        WebDriverWait(driver, 10).until(lambda d: said.text)
+        out["killed"] = said.text
     except Exception as exc:  # (reported by the test, with the page's state)
         out["error"] = f"{type(exc).__name__}: {exc}"
     finally:
@@ -66,22 +84,33 @@ def test_the_status_page_shows_every_learner_and_changes_as_the_run_goes_on(tmp_
     parser = pytest.importorskip("prometheus_client.parser", reason="pip install prometheus-client")
     os.environ.setdefault("SE_OFFLINE", "true")  # (selenium must not look for drivers online)
     config = load_config(None, [*SMALL, "train.tokens=10000000", "processes.max_wall_seconds=150"])
+    secret_file = tmp_path / "processes" / "run.secret"  # (written by the launcher, mode 600)
+    secret = ""
     state: dict[str, Any] = {"rounds": 0, "page": {}}
 
     def hook(launcher: Launcher, r: dict[str, Any]) -> None:
         state["rounds"] += r["kind"] == "round"
-        if state["rounds"] == 4 and "url" not in state:
+        nonlocal secret
+        if state["rounds"] == 8 and "url" not in state:
+            secret = secret_file.read_text().strip()
+            assert secret_file.stat().st_mode & 0o777 == 0o600
             state["url"] = (tmp_path / "status_url").read_text().strip()
             state["status"] = [json.loads(get(state["url"] + "status.json"))]
-            try:
-                urllib.request.urlopen(
-                    urllib.request.Request(state["url"] + "kill?learner=0", method="POST")
-                )
-            except urllib.error.HTTPError as exc:
-                state["post"] = exc.code
-            state["browser"] = threading.Thread(target=browse, args=(state["url"], state["page"]))
+            kill = state["url"] + "learners/0/kill"
+            state["post"] = [post(kill, None), post(kill, "00" * 32), post(kill + "x", secret)]
+            state["browser"] = threading.Thread(
+                target=browse, args=(state["url"], state["page"], secret)
+            )
             state["browser"].start()
-        if "browser" in state and not state["browser"].is_alive() and "stopped" not in state:
+        restarted = launcher.restarts.get("learner-1")  # (the launcher's own records
+        if r["kind"] in ("recovered", "learner_up") and r["learner"] == 1 and restarted:
+            state.setdefault("back", state["rounds"])  # do not pass through the hooks)
+        back = state.get("back")  # ... and a few rounds later (snapshots come once a beat)
+        page = state["page"]
+        done = "browser" in state and not state["browser"].is_alive()
+        failed = "error" in page or not page.get("killed", "").startswith("202")
+        done = done and (failed or (back is not None and state["rounds"] >= back + 6))
+        if done and "stopped" not in state:
             state["status"].append(json.loads(get(state["url"] + "status.json")))
             state["metrics"] = get(state["url"] + "metrics").decode()  # (both learners in)
             state["stopped"] = True
@@ -89,7 +118,7 @@ def test_the_status_page_shows_every_learner_and_changes_as_the_run_goes_on(tmp_
 
     records: list[dict[str, Any]] = []
     summary = Launcher(config, "decoupled", tmp_path, records.append, hooks=[hook]).run()
-    assert "url" in state, "the run never reached 4 rounds"
+    assert "url" in state, "the run never reached 8 rounds"
     assert state["url"].startswith("http://127.0.0.1:")
     up = next(r for r in records if r["kind"] == "syncer_up")
     assert up["status_url"] == state["url"]  # the URL is in the metrics too
@@ -108,7 +137,14 @@ def test_the_status_page_shows_every_learner_and_changes_as_the_run_goes_on(tmp_
     assert {"ddiloco_tokens", "ddiloco_rounds", "ddiloco_learner_up"} <= set(families)
     ups = {s.labels["learner"]: s.value for s in families["ddiloco_learner_up"].samples}
     assert ups == {"0": 1.0, "1": 1.0}
-    assert state["post"] == 405  # read-only: a request cannot kill a learner
-    assert not [r for r in records if r["kind"] == "exited" and r.get("code")]  # nobody died
+    assert state["post"] == [401, 403, 404]  # no secret, another one, no such action
+    assert page["killed"].startswith("202"), page  # the button, with the secret
+    (operator,) = [r for r in records if r["kind"] == "operator"]
+    assert operator["action"] == "kill" and operator["learner"] == 1
+    died = [r for r in records if r["kind"] == "exited" and r.get("code")]
+    assert [r["process"] for r in died] == ["learner-1"], died  # only the one it killed
+    assert died[0]["t"] > operator["t"]  # ... after the request, not before
+    assert status[1]["actions"]["refused_no_secret"] == 1
+    assert status[1]["actions"]["refused_bad_secret"] == 1
     assert summary["ledger_balanced"]
     assert (Path(tmp_path) / "status_url").exists()

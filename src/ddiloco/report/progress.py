@@ -76,6 +76,7 @@ class Progress:
             "caught_up": self._on_recovered,  # a late first start copies a peer the same way
             "learner_up": self._on_learner_up,
             "joined": self._on_joined,
+            "operator": self._on_operator,
             "left": self._on_left,
             "syncer_up": self._on_syncer_up,
             "restored": self._on_restored,
@@ -174,6 +175,9 @@ class Progress:
         """The syncer let a learner in (all a hand-started syncer hears of its learners)."""
         self.learners.setdefault(r["learner"], "up")
 
+    def _on_operator(self, r: dict[str, Any]) -> None:
+        self.say(f"operator at {r['client']}: {r['action']} learner {r['learner']} (status page)")
+
     def _on_left(self, r: dict[str, Any]) -> None:
         self.learners[r["learner"]] = "left"
         self.say(f"learner {r['learner']} left")
@@ -183,6 +187,11 @@ class Progress:
             self.say("syncer up again")
         if r.get("status_url"):
             self.say(f"syncer status: {r['status_url']} (also status.json, metrics)")
+            if r.get("actions"):
+                self.say(
+                    "  its kill / leave buttons take the run secret ($DDILOCO_SECRET; "
+                    "ddiloco train writes it to run.secret under RUN/processes)"
+                )
 
     def _on_restored(self, r: dict[str, Any]) -> None:
         self.say(f"syncer restored from its store: versions {r.get('versions')}")

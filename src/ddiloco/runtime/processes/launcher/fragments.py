@@ -87,6 +87,7 @@ RELAYED = (
     "leave",
     "syncer_up",
     "learner_up",
+    "operator",  # a kill or leave from the status page
 )
 SYNCER = "syncer"
 STOP_WAIT_SECONDS = 30.0  # after a stop, for the syncer's summary (a restarted one's too)
@@ -130,6 +131,11 @@ class Launcher(Supervisor):
         self.config_path.write_text(to_toml(child), encoding="utf-8")
         self.store = self.home / "syncer_state"
         self.env[SECRET_ENV] = secrets.token_bytes(32).hex()
+        # (the status page's kill / leave need it: readable by this user only)
+        fd = os.open(self.home / "run.secret", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.fchmod(fd, 0o600)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(self.env[SECRET_ENV] + "\n")
         self.summary: dict[str, Any] | None = None
         self.learner_done: dict[int, dict[str, Any]] = {}
         self.seen: dict[str, Any] = {"rounds": 0, "eval": None}  # for a summary of our own

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import queue
 import threading
 import time
@@ -51,6 +52,13 @@ from ddiloco.runtime.processes.transport.wire import (
 log = logging.getLogger(__name__)
 
 Key = tuple[int, int, int]
+
+
+KILLED_EXIT = 1  # a learner killed from the status page exits as a crashed one (restarted)
+
+
+def _why(meta: dict[str, Any]) -> str:
+    return str(meta.get("why", "the syncer"))[:200]
 
 
 class LinkState(Enum):
@@ -133,6 +141,7 @@ class SyncerLink(threading.Thread):
         self.welcome: dict[str, Any] | None = None
         self.welcomed = threading.Event()  # set in LIVE and FAILED: whoever waits, wakes
         self.stopped = threading.Event()
+        self.asked_to_leave = threading.Event()
         self.finishing = threading.Event()  # a final ask came: the syncer's final rounds
         self._closing = threading.Event()
         self._peers: queue.SimpleQueue[dict[str, str]] = queue.SimpleQueue()
@@ -412,6 +421,13 @@ class SyncerLink(threading.Thread):
             self._peers.put(h.meta.get("peers", {}))
         elif h.kind == "stop":
             self.stopped.set()
+        elif h.kind == "leave":  # an operator's, from the status page: a clean leave
+            log.warning("learner %d: asked to leave by %s", self.learner, _why(h.meta))
+            self.asked_to_leave.set()
+        elif h.kind == "kill":  # an operator's: crash now, as a real failure would
+            log.error("learner %d: killed by %s (a crash on purpose)", self.learner, _why(h.meta))
+            logging.shutdown()
+            os._exit(KILLED_EXIT)
         elif h.kind == "refused":
             self._fail(f"the syncer refused this learner: {str(h.meta.get('why'))[:400]}")
         elif h.kind == "no_shm" and self.wire.shm is not None:

@@ -258,8 +258,11 @@ class LearnerProcess:
         return int(welcome.get("global_step", 0)) >= self.sync.plan.sync_every
 
     def should_stop(self) -> bool:
-        """Rank 0's call: the syncer said stop, we were asked to leave, or our time is up."""
-        if self.link.stopped.is_set() or self.leaving.is_set() or self.link.fatal is not None:
+        """Rank 0's call: the syncer said stop, we were asked to leave (SIGTERM, or an
+        operator through the syncer), or our time is up."""
+        if self.link.stopped.is_set() or self.link.fatal is not None:
+            return True
+        if self.leaving.is_set() or self.link.asked_to_leave.is_set():
             return True
         if self.leave_after and time.monotonic() - self.started >= self.leave_after:
             return True

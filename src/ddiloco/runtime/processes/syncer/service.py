@@ -45,6 +45,7 @@ from ddiloco.core.rounds import UNSOLICITED, AnswerMeta, Round, Verdict
 from ddiloco.core.syncer_state import MergeResult, SyncerState
 from ddiloco.errors import ConfigError, DDiLoCoError
 from ddiloco.runtime.processes.syncer import messages
+from ddiloco.runtime.processes.syncer.actions import ActionGate
 from ddiloco.runtime.processes.syncer.attendance import Attendance
 from ddiloco.runtime.processes.syncer.checkpoints import checkpoint_writer
 from ddiloco.runtime.processes.syncer.connections import Connections, Incoming
@@ -129,6 +130,7 @@ class SyncerService:
         self.counts = self.conn.counts  # one tally of what was refused, dropped, re-sent
         self.send = self.conn.send
         self.status = StatusBoard(run_id)
+        self.actions = ActionGate(secret, self.config.processes)
         self.evaluator = Evaluator(setup, events, on_eval=self.status.evaluated)
         self.checkpoints = checkpoint_writer(setup, Path(store_dir), run, self.tokens)
         # what one step of a learner can hold, and how fast steps may be credited
@@ -164,8 +166,9 @@ class SyncerService:
         budget = self.config.train.tokens
         limit = self.config.train.max_virtual_seconds
         http = self.config.processes.http
-        server = StatusServer(http, self.status) if http else None
-        self.events("syncer_up", session=self.conn.session, status_url=server and server.url)
+        server = StatusServer(http, self.status, self.actions) if http else None
+        url, actions = (server.url, self.actions.enabled) if server else (None, False)
+        self.events("syncer_up", session=self.conn.session, status_url=url, actions=actions)
         try:
             while self.tokens < budget and not (limit and self.events.now() >= limit):
                 if self.stop.is_set():
@@ -193,6 +196,7 @@ class SyncerService:
                 if msg is not None:
                     self.handle(msg)
         self.poll()
+        self.actions.carry_out(self.send, self.events)  # the status page's requests
         now = self.events.now()
         if now - self.last_beat >= BEAT_SECONDS:
             self.last_beat = now

@@ -4,7 +4,8 @@
 (state, local step, incarnation, last merged answer: when, its staleness and weight, peer
 address), the rounds, each fragment's version, the ledger, the eval loss curve and what the
 wire refused; ``/status.json`` is the same data; ``/metrics`` is the Prometheus text format
-(``ddiloco_*`` gauges and counters). Read-only: no request changes the run.
+(``ddiloco_*`` gauges and counters). The only requests that change the run are the page's
+actions (kill / leave a learner), which need the run secret (:mod:`.actions`).
 
 The service owns the state and the HTTP thread only reads: once a beat the service builds a
 plain snapshot (:func:`snapshot_of`) and :meth:`StatusBoard.publish` swaps it in, so a
@@ -16,16 +17,20 @@ for every merge, :meth:`StatusBoard.evaluated` for every evaluation (from any th
 from __future__ import annotations
 
 import json
+import logging
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import TYPE_CHECKING, Any
 
 from ddiloco.core.syncer_state import MergeResult
 from ddiloco.errors import ConfigError
+from ddiloco.runtime.processes.syncer.actions import ActionGate, body_of
 from ddiloco.runtime.processes.transport.sockets import parse_address
 
 if TYPE_CHECKING:
     from ddiloco.runtime.processes.syncer.service import SyncerService
+
+log = logging.getLogger(__name__)
 
 EVALS_KEPT = 500  # points of the eval curve the page draws
 
@@ -99,6 +104,7 @@ def snapshot_of(svc: SyncerService, now: float) -> dict[str, Any]:
         },
         "refused": dict(sorted(svc.conn.wire.refused.items())),
         "answers": dict(sorted(svc.syncer.counts.items())),
+        "actions": {"enabled": svc.actions.enabled, **svc.actions.counts},
     }
 
 
@@ -156,9 +162,9 @@ def prometheus(snapshot: dict[str, Any]) -> str:
 class StatusServer:
     """The endpoint, on a daemon thread, bound to ``address`` (``HOST:PORT``; port 0: free)."""
 
-    def __init__(self, address: str, board: StatusBoard) -> None:
+    def __init__(self, address: str, board: StatusBoard, gate: ActionGate) -> None:
         host, port = parse_address(address, "processes.http")
-        handler = _handler(board)
+        handler = _handler(board, gate)
         try:
             self.httpd = ThreadingHTTPServer((host, port), handler)
         except OSError as exc:
@@ -176,7 +182,7 @@ class StatusServer:
         self.httpd.server_close()
 
 
-def _handler(board: StatusBoard) -> type[BaseHTTPRequestHandler]:
+def _handler(board: StatusBoard, gate: ActionGate) -> type[BaseHTTPRequestHandler]:
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:
             path = self.path.split("?", 1)[0]
@@ -192,7 +198,19 @@ def _handler(board: StatusBoard) -> type[BaseHTTPRequestHandler]:
                 self._send(404, "text/plain; charset=utf-8", b"not found\n")
 
         def do_POST(self) -> None:
-            self._send(405, "text/plain; charset=utf-8", b"read-only: nothing here changes a run\n")
+            length = int(self.headers.get("Content-Length") or 0)
+            if length > 4096:  # (an action has no body worth reading)
+                self._send(413, "application/json", body_of({"error": "body too large"}))
+                return
+            self.rfile.read(length)
+            learners = {int(r["learner"]) for r in board.snapshot().get("learners", [])}
+            client = str(self.client_address[0])
+            code, reply = gate.post(self.path, self.headers.get("Authorization"), client, learners)
+            if code != 202:
+                log.warning(
+                    "syncer: refused %s from %s: %s", self.path[:80], client, reply["error"]
+                )
+            self._send(code, "application/json", body_of(reply))
 
         def _send(self, code: int, kind: str, body: bytes) -> None:
             self.send_response(code)
@@ -220,9 +238,11 @@ th{background:#f3f3f3}.up{color:#080}.down{color:#c00;font-weight:bold}.left{col
 <h1>ddiloco syncer <span id="run"></span></h1>
 <p id="head">waiting for the first status...</p>
 <h2>Learners</h2>
+<p id="act">run secret (hex) for kill / leave:
+<input id="secret" type="password" size="40" autocomplete="off"> <span id="said"></span></p>
 <table id="learners"><thead><tr><th>learner</th><th>state</th><th>step</th>
 <th>silent (s)</th><th>last merged (t)</th><th>staleness</th><th>weight</th>
-<th>incarnation</th><th>peer address</th></tr></thead><tbody></tbody></table>
+<th>incarnation</th><th>peer address</th><th></th></tr></thead><tbody></tbody></table>
 <h2>Fragments</h2><p id="versions"></p>
 <h2>Ledger</h2><p id="ledger"></p>
 <h2>Eval loss</h2><canvas id="curve" width="600" height="200"></canvas>
@@ -230,6 +250,14 @@ th{background:#f3f3f3}.up{color:#080}.down{color:#c00;font-weight:bold}.left{col
 <script>
 function cell(v){const td=document.createElement('td');
  td.textContent=(v===null||v===undefined)?'':v;return td}
+async function act(m,what){const said=document.getElementById('said');
+ try{const r=await fetch('learners/'+m+'/'+what,{method:'POST',headers:{'Authorization':
+  'Bearer '+document.getElementById('secret').value.trim()}});const j=await r.json();
+  said.textContent=r.status+': '+(j.error||(j.accepted+' learner '+j.learner))}
+ catch(e){said.textContent='no answer: '+e}}
+function buttons(m,on){const td=document.createElement('td');if(!on)return td;
+ for(const what of ['kill','leave']){const b=document.createElement('button');
+  b.textContent=what;b.className=what;b.onclick=()=>act(m,what);td.appendChild(b)}return td}
 function draw(evals){const c=document.getElementById('curve'),g=c.getContext('2d');
  g.clearRect(0,0,c.width,c.height);if(evals.length<2)return;
  const xs=evals.map(e=>e[0]),ys=evals.map(e=>e[1]),x0=Math.min(...xs),x1=Math.max(...xs),
@@ -244,7 +272,9 @@ async function load(){try{const s=await (await fetch('status.json',{cache:'no-st
  const body=document.querySelector('#learners tbody');body.innerHTML='';
  for(const l of s.learners){const tr=document.createElement('tr');tr.className='learner '+l.state;
   const lm=l.last_merged||{};[l.learner,l.state,l.step,l.silent_seconds,lm.t,lm.staleness,
-  lm.weight,l.incarnation,l.address].forEach(v=>tr.appendChild(cell(v)));body.appendChild(tr)}
+  lm.weight,l.incarnation,l.address].forEach(v=>tr.appendChild(cell(v)));
+  tr.appendChild(buttons(l.learner,(s.actions||{}).enabled));body.appendChild(tr)}
+ document.getElementById('act').hidden=!(s.actions||{}).enabled;
  document.getElementById('versions').textContent='versions: '+s.versions.join(', ');
  const led=s.ledger||{};document.getElementById('ledger').textContent='merged '+
   led.tokens_merged+', wasted '+JSON.stringify(led.tokens_wasted)+(led.balanced?', balanced':'');
