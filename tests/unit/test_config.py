@@ -43,6 +43,7 @@ def test_shipped_configs_load_and_round_trip_through_toml(tmp_path, name):
         ("methods=['magic']", "methods"),
         ("runtime=quantum", "runtime"),
         ("nonsense", "--set"),
+        ("processes.http_actions='yes'", "processes.http_actions"),
         ("override", "key"),
         ("train.optimizer=lion", "train.optimizer"),
         ("train.schedule=step", "train.schedule"),

@@ -76,3 +76,18 @@ def test_quiet_prints_nothing_and_a_new_method_starts_over():
 def test_counts_and_durations_read_as_people_write_them():
     assert [human_count(n) for n in (999, 1234, 1.5e6, 2e9)] == ["999", "1.2K", "1.5M", "2.0G"]
     assert [human_seconds(s) for s in (5, 65, 3700)] == ["5s", "1m05s", "1h01m"]
+
+
+def test_a_hand_started_syncer_counts_the_tokens_it_hears_of_and_says_who_acted():
+    progress, out, clock = _progress(every=5.0)
+    for i, m in enumerate((0, 1)):
+        progress("decoupled", {"kind": "joined", "learner": m, "t": 0.1 * i})
+    for i in range(1, 11):  # a syncer's own records: rounds with its token count, no steps
+        clock.now = i
+        progress("decoupled", {"kind": "round", "answers": 2, "asked": 2, "grace": 0.1,
+                               "tokens": 500 * i, "t": float(i)})  # fmt: skip
+    progress("decoupled", {"kind": "operator", "action": "kill", "learner": 1, "client": "::1"})
+    lines = out.getvalue().splitlines()
+    assert "tokens       5,000 ( 50.0%)" in lines[-2] and "0:up 1:up" in lines[-2], lines
+    assert "ETA" in lines[-2] and "rounds 10" in lines[-2]
+    assert "operator at ::1: kill learner 1 (status page)" in lines[-1]
