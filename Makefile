@@ -17,9 +17,9 @@ $(BIN)/ddiloco: pyproject.toml
 install: $(BIN)/ddiloco
 
 # the optional extras the tests exercise (Hugging Face models, tokenizers, datasets, Ray,
-# TensorBoard)
+# TensorBoard, W&B)
 $(VENV)/.extras: $(BIN)/ddiloco pyproject.toml
-	$(BIN)/pip install -q $(FIND_LINKS) -e '.[test,hf,data,ray,tensorboard]'
+	$(BIN)/pip install -q $(FIND_LINKS) -e '.[test,hf,data,ray,tensorboard,wandb]'
 	touch $@
 
 demo: install

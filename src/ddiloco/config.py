@@ -346,8 +346,12 @@ class ReportConfig:
 
     progress_seconds: float = 5.0  # a status line this often (wall seconds; 0: at evals only)
     tensorboard: bool = False  # event files under <run>/tensorboard (report/tensorboard.py)
+    wandb: str = ""  # a W&B project: one W&B run per method (report/wandb_sink.py); "": off
+    wandb_mode: str = "auto"  # auto (online with an API key, else offline), online, offline
 
     def __post_init__(self) -> None:
+        modes = ("auto", "online", "offline", "disabled")
+        require(self.wandb_mode in modes, "report.wandb_mode", self.wandb_mode, f"one of {modes}")
         require(
             self.progress_seconds >= 0,
             "report.progress_seconds",

@@ -1,5 +1,5 @@
 """The live half of a run directory: every record to ``metrics.jsonl`` (the source of truth,
-flushed line by line), the terminal (:mod:`.progress`) and TensorBoard; at the end
+flushed line by line), the terminal (:mod:`.progress`), TensorBoard and W&B; at the end
 ``summary.json`` and the plots.
 
 ``ddiloco train`` writes through it for every runtime, and so does a hand-started
@@ -30,12 +30,16 @@ class RunWriter:
         self, out: Path, config: RunConfig, quiet: bool = False, append: bool = False
     ) -> None:
         """``append``: a resumed run adds to the records it has."""
-        from ddiloco.report.tensorboard import TensorBoardSink
+        from ddiloco.report.tensorboard import ScalarView, TensorBoardSink
 
         self.out = out
-        self.board = (
-            TensorBoardSink(out) if config.report.tensorboard else None
-        )  # (refused if missing)
+        self.sinks: list[ScalarView] = []  # (a missing package is refused here, at the start)
+        if config.report.tensorboard:
+            self.sinks.append(TensorBoardSink(out))
+        if config.report.wandb:
+            from ddiloco.report.wandb_sink import WandbSink
+
+            self.sinks.append(WandbSink(out, config))
         self.metrics = MetricsWriter(out / "metrics.jsonl", append=append)
         self.progress = Progress(
             config.train.tokens, quiet=quiet, every=config.report.progress_seconds
@@ -48,17 +52,17 @@ class RunWriter:
     def emit(self, record: dict[str, Any]) -> None:
         self.metrics.emit(record)
         self.progress(self.method, record)
-        if self.board is not None:
-            self.board(self.method, record)
+        for sink in self.sinks:
+            sink(self.method, record)
 
     def ended(self, summary: dict[str, Any]) -> None:
-        if self.board is not None:
-            self.board.summary(self.method, summary)
+        for sink in self.sinks:
+            sink.summary(self.method, summary)
 
     def close(self) -> None:
         self.metrics.close()
-        if self.board is not None:
-            self.board.close()
+        for sink in self.sinks:
+            sink.close()
 
 
 def finish(out: Path, summaries: Sequence[dict[str, Any]]) -> None:

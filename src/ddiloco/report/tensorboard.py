@@ -43,14 +43,17 @@ def summary_writer_class() -> Any:
     return SummaryWriter
 
 
-class TensorBoardSink:
-    """One event-file directory per method under ``<run>/tensorboard`` (see the module)."""
+class ScalarView:
+    """The scalars of the module's list from the run's records, written by one writer per
+    method (an object with ``add_scalar(name, value, tokens)``, ``flush()``, ``close()``):
+    TensorBoard's here, W&B's in :mod:`.wandb_sink`."""
 
-    def __init__(self, run_dir: Path) -> None:
-        self.root = run_dir / "tensorboard"
-        self.writer_class = summary_writer_class()
+    def __init__(self) -> None:
         self.writers: dict[str, Any] = {}
         self.method = ""
+
+    def new_writer(self, method: str) -> Any:
+        raise NotImplementedError
 
     def __call__(self, method: str, record: dict[str, Any]) -> None:
         if method != self.method:
@@ -112,9 +115,21 @@ class TensorBoardSink:
 
     def _writer(self, method: str) -> Any:
         if method not in self.writers:
-            self.writers[method] = self.writer_class(log_dir=str(self.root / method))
+            self.writers[method] = self.new_writer(method)
         return self.writers[method]
 
     def close(self) -> None:
         for writer in self.writers.values():
             writer.close()
+
+
+class TensorBoardSink(ScalarView):
+    """One event-file directory per method under ``<run>/tensorboard`` (see the module)."""
+
+    def __init__(self, run_dir: Path) -> None:
+        super().__init__()
+        self.root = run_dir / "tensorboard"
+        self.writer_class = summary_writer_class()
+
+    def new_writer(self, method: str) -> Any:
+        return self.writer_class(log_dir=str(self.root / method))
