@@ -91,3 +91,28 @@ def test_a_hand_started_syncer_counts_the_tokens_it_hears_of_and_says_who_acted(
     assert "tokens       5,000 ( 50.0%)" in lines[-2] and "0:up 1:up" in lines[-2], lines
     assert "ETA" in lines[-2] and "rounds 10" in lines[-2]
     assert "operator at ::1: kill learner 1 (status page)" in lines[-1]
+
+
+class Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_on_a_terminal_the_status_is_one_live_line_below_the_events(monkeypatch):
+    monkeypatch.setenv("COLUMNS", "300")  # (a narrower terminal gets the line cut to fit)
+    out, clock = Terminal(), Clock()
+    progress = Progress(10_000, stream=out, every=1.0, clock=clock)
+    for i in range(1, 4):
+        clock.now = float(i)
+        progress("decoupled", _step(0, i, 4.0, float(i)))
+    progress("decoupled", {"kind": "detected", "learner": 1, "t": 3.5})
+    clock.now = 4.0
+    progress("decoupled", _step(0, 4, 4.0, 4.0))
+    progress.close()
+    screen = out.getvalue()
+    assert screen.count("\n") == 2  # the event, and the end: status lines replace each other
+    lines = screen.split("\n")
+    assert "learner 1 is silent" in lines[0] and lines[0].startswith("\r\x1b[K")
+    assert lines[0].count("\r\x1b[K") == 3  # 2 status lines drawn in place, then the event
+    assert lines[1].endswith("0:s4 1:DOWN") and lines[2] == ""  # the last status, redrawn
+    assert not Progress(1, stream=io.StringIO()).live  # a file or a CI log: plain lines

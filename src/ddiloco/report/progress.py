@@ -15,17 +15,20 @@ detected silent or exited), ``frozen``, ``joining`` (a slot asked for, not up ye
 ``copying`` (recovering from a peer or the syncer), ``left`` (gone cleanly).
 
 Event lines (chaos, detections, recoveries, a learner or the syncer up again, exits,
-rollbacks) print as they arrive. ``quiet`` prints nothing. Plain lines only: they read the
-same in a terminal and in a CI log.
+rollbacks) print as they arrive. ``quiet`` prints nothing. On a terminal the periodic status
+line is a live line redrawn in place below the event and evaluation lines; anywhere else
+(a file, a CI log) every line is a plain line of its own.
 """
 
 from __future__ import annotations
 
+import shutil
 import sys
 import time
 from collections.abc import Callable
 from typing import Any, TextIO
 
+CLEAR_LINE = "\r\033[K"  # back to the line's start, erase it
 LOSS_EMA = 0.05  # weight of each new step's loss in the moving average
 DOWN_EVENTS = {"crash": "crashed", "node_loss": "lost its node", "preempt": "was preempted"}
 
@@ -58,12 +61,16 @@ class Progress:
         quiet: bool = False,
         every: float = 5.0,
         clock: Callable[[], float] = time.monotonic,
+        live: bool | None = None,
     ) -> None:
         self.total = total_tokens
         self.stream = stream
         self.quiet = quiet
         self.every = every  # 0: status lines only at evaluations
         self.clock = clock
+        # a terminal gets a live status line redrawn in place; a file or a CI log plain lines
+        self.live = stream.isatty() if live is None else live
+        self.pinned = ""  # the live line on screen
         self.started = clock()
         self.method = ""
         self.handlers: dict[str, Callable[[dict[str, Any]], None]] = {
@@ -101,6 +108,7 @@ class Progress:
 
     def __call__(self, method: str, record: dict[str, Any]) -> None:
         if method != self.method:
+            self.close()  # (a method's last live line stays on screen)
             self.method = method
             self._reset()
         self.t = float(record.get("t", self.t))
@@ -227,18 +235,33 @@ class Progress:
             parts.append(f"rounds {self.rounds} ({self.last_round})")
         if self.learners:
             parts.append(" ".join(self._state(m) for m in sorted(self.learners)))
-        self.say("  ".join(parts))
+        self.say("  ".join(parts), transient=not extra)
 
     def _state(self, m: int) -> str:
         state = self.learners[m]
         return f"{m}:s{self.steps[m]}" if state == "up" and m in self.steps else f"{m}:{state}"
 
-    def say(self, text: str) -> None:
+    def say(self, text: str, transient: bool = False) -> None:
+        """One line; on a terminal a ``transient`` one (a periodic status) is the live line,
+        redrawn in place under the lines that stay (events, evaluations)."""
         if self.quiet:
             return
         wall = self.clock() - self.started
-        print(
-            f"[{wall:6.1f}s] {self.method:<14} t={self.t:8.1f}  {text}",
-            file=self.stream,
-            flush=True,
-        )
+        line = f"[{wall:6.1f}s] {self.method:<14} t={self.t:8.1f}  {text}"
+        if not self.live:
+            print(line, file=self.stream, flush=True)
+            return
+        width = max(20, shutil.get_terminal_size().columns - 1)  # (a wrapped line cannot be
+        if transient:  # redrawn in place)
+            self.pinned = line[:width]
+            self.stream.write(CLEAR_LINE + self.pinned)
+        else:
+            self.stream.write(CLEAR_LINE + line + "\n" + self.pinned)
+        self.stream.flush()
+
+    def close(self) -> None:
+        """End the live line (the next output starts on a line of its own)."""
+        if self.live and self.pinned and not self.quiet:
+            self.stream.write("\n")
+            self.stream.flush()
+        self.pinned = ""

@@ -60,6 +60,7 @@ class RunWriter:
             sink.summary(self.method, summary)
 
     def close(self) -> None:
+        self.progress.close()
         self.metrics.close()
         for sink in self.sinks:
             sink.close()
