@@ -290,7 +290,7 @@ class SyncerService:
         now = self.events.now()
         self.ledger.joined(m, inc, step, versions)  # a new life: what the old one held is lost
         self.account_uptime(now)
-        self.attendance.back(m, now)
+        self.attendance.back(m, restarted=self.incarnations.get(m, inc) != inc)
         self.incarnations[m] = inc
         self.addresses[m] = hello.peer
         if self.budget_incarnations.get(m) != inc:  # a life the budget has not seen: from
@@ -427,6 +427,9 @@ class SyncerService:
             nbytes = self.send_fragment(live, result.fragment, result.version, result.tensors, keys)
             self.syncer.record_sync_time(time.monotonic() - started)
             self.status.merged(result, self.events.now())
+            self.attendance.contributed(
+                (a.learner for a in result.round.answers), self.events.now()
+            )
             self.events(**result.record(nbytes), tokens=self.tokens)  # (trained, as reported)
         self.ledger.release_merges()  # (none is left: every merge was persisted)
         if self.payloads:

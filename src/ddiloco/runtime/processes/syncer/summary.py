@@ -41,6 +41,7 @@ def service_summary(svc: SyncerService, final: float, now: float) -> dict[str, A
         "ledger_restart": dict(svc.ledger.restart),
         "goodput": fragment_goodput(svc.tokens, wasted, lost_capacity),
         "uptime": svc.attendance.uptime.share(now),
+        "learner_uptime": svc.attendance.learner_uptime(now, svc.config.train.learners),
         "bytes_sent": svc.conn.bytes_sent,
         "bytes_received": svc.bytes_received,
         "rounds": svc.syncer.counts.get("merged_rounds", 0),
