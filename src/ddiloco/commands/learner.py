@@ -75,6 +75,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
+    from ddiloco.report.progress import terminal_sink
     from ddiloco.runtime.processes.learner.process import LearnerProcess
     from ddiloco.runtime.run import RunSetup
 
@@ -91,7 +92,9 @@ def run(args: argparse.Namespace) -> int:
     require(args.leave_after >= 0, "--leave-after", args.leave_after, "must be >= 0")
     peer_port = config.processes.peer_port if args.peer_port is None else args.peer_port
     require(0 <= peer_port <= 65535, "--peer-port", peer_port, "must be in 0..65535 (0: any)")
-    events = Events(args.t0 if args.t0 is not None else time.time())
+    every = config.report.progress_seconds
+    sink = terminal_sink(config.train.tokens, every, args.method)  # (a person: lines)
+    events = Events(args.t0 if args.t0 is not None else time.time(), sink=sink)
     process = LearnerProcess(
         setup,
         args.id,

@@ -17,7 +17,9 @@ import argparse
 import logging
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from ddiloco.commands import add_config_arguments
 from ddiloco.config import load_config, to_toml
@@ -101,7 +103,12 @@ def run(args: argparse.Namespace) -> int:
             t0 = t0 if args.t0 is not None else time.time() - last_time(out)
         writer = RunWriter(out, config, quiet=args.quiet, append=again)
         writer.begin(args.method)
-    events = Events(t0, sink=writer.emit if writer else None)
+    sink: Callable[[dict[str, Any]], None] | None = writer.emit if writer else None
+    if writer is None:  # a person at a terminal reads lines; a supervisor or a log, the records
+        from ddiloco.report.progress import terminal_sink
+
+        sink = terminal_sink(config.train.tokens, config.report.progress_seconds, args.method)
+    events = Events(t0, sink=sink)
     service = SyncerService(
         setup,
         args.bind,

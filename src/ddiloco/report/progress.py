@@ -265,3 +265,15 @@ class Progress:
             self.stream.write("\n")
             self.stream.flush()
         self.pinned = ""
+
+
+def terminal_sink(
+    total_tokens: int, every: float, method: str
+) -> Callable[[dict[str, Any]], None] | None:
+    """For a ``ddiloco syncer`` or ``learner`` started by hand on a terminal: its events as
+    progress lines instead of ``@event`` records (None when stdout is not a terminal: then a
+    supervisor or a log reads the records)."""
+    if not sys.stdout.isatty():
+        return None
+    progress = Progress(total_tokens, every=every)
+    return lambda record: progress(method, record)
