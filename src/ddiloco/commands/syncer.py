@@ -51,11 +51,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--store",
         help="durable state directory (default: OUT/syncer_state, else runs/<name>-syncer)",
     )
-    parser.add_argument(
-        "--out",
-        metavar="RUN",
-        help="write a run directory here: metrics, progress lines, summary.json and plots",
-    )
+    parser.add_argument("--out", metavar="RUN", help="a run directory: metrics, summary, plots")
     parser.add_argument("--quiet", action="store_true", help="with --out: no progress lines")
     parser.add_argument("--journal", action="store_true", help="also journal every merge's inputs")
     parser.add_argument(
