@@ -48,10 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="share of a step DP can hide its all-reduce behind (2/3)",
     )
     parser.add_argument(
-        "--bandwidth",
-        type=float,
-        metavar="GBPS",
-        help="also report the utilization a link of this bandwidth yields",
+        "--bandwidth", type=float, metavar="GBPS", help="also the utilization of a link this fast"
     )
     parser.add_argument(
         "--grid", action="store_true", help="snap to the log-spaced grid the published tables used"

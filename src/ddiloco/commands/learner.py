@@ -51,12 +51,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--peer-port",
         type=int,
-        default=None,
         help="TCP port of the snapshots (default: the config's processes.peer_port; 0: any free)",
     )
     parser.add_argument(
         "--peer-bind",
-        default=None,
         help="interface the snapshots listen on, e.g. 0.0.0.0 (default: --peer-host)",
     )
     parser.add_argument("--max-steps", type=int, default=0, help="stop after N steps (0: never)")

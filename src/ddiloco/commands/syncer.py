@@ -33,12 +33,7 @@ def add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--run-id", help="the run's id, bound into every frame (default: name)")
     parser.add_argument("--secret-file", help="the run secret (default: $DDILOCO_SECRET, hex)")
     parser.add_argument("--method", default="decoupled", help="default: %(default)s")
-    parser.add_argument(
-        "--t0",
-        type=float,
-        default=None,
-        help="run start (epoch seconds) that event times count from",
-    )
+    parser.add_argument("--t0", type=float, help="run start (epoch s) event times count from")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
