@@ -131,13 +131,18 @@ class Progress:
 
     def _on_round(self, r: dict[str, Any]) -> None:
         self.rounds += 1
-        if not self.steps and "tokens" in r:  # a syncer's own records: the tokens it heard of
-            self.tokens = max(self.tokens, int(r["tokens"]))
-            if self.first_step is None:
-                self.first_step = self.clock()
+        self._heard_tokens(r)
         self.last_round = f"last {r['answers']}/{r['asked']} answers, grace {r['grace']:.2f}s"
 
+    def _heard_tokens(self, r: dict[str, Any]) -> None:
+        """A syncer's own records (no steps): the tokens it heard of, from rounds and evals."""
+        if not self.steps and "tokens" in r:
+            self.tokens = max(self.tokens, int(r["tokens"]))
+            if self.first_step is None and self.tokens:
+                self.first_step = self.clock()
+
     def _on_eval(self, r: dict[str, Any]) -> None:
+        self._heard_tokens(r)
         self.status(f"eval {r['loss']:.4f}")
 
     def _on_chaos(self, r: dict[str, Any]) -> None:
