@@ -20,8 +20,9 @@ bye. Syncer -> learner: welcome, peers, rehello (this syncer life's session; it 
 know this learner life: say hello again and re-push), ask (``final``: the run's end, stop
 stepping and answer), fragment (a merged fragment, with
 the answer keys it merged), verdict (an answer dropped), beat, no_shm (send inline),
-refused (this learner cannot take part: it stops, saying why), stop. Progress is credited
-by a step budget (core/credit.py), never beyond what the elapsed time allows.
+refused (this learner cannot take part: it stops, saying why), stop, and an operator's kill
+or leave from the status page (:mod:`.actions`). Progress is credited by a step budget
+(core/credit.py), never beyond what the elapsed time allows.
 """
 
 from __future__ import annotations
