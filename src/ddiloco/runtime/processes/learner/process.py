@@ -241,7 +241,7 @@ class LearnerProcess:
 
     def leave_unwelcomed(self) -> int:
         """A clean exit for a learner that never trained: nothing to answer or to save."""
-        log.warning("learner %d: asked to leave before a syncer let it in", self.m)
+        log.warning("learner %d: told to stop or leave before a syncer let it in", self.m)
         if self.ranks.leader:
             self.link.close(flush_seconds=0.0)
             self.server.close()
