@@ -198,9 +198,10 @@ def _handler(board: StatusBoard, gate: ActionGate) -> type[BaseHTTPRequestHandle
                 self._send(404, "text/plain; charset=utf-8", b"not found\n")
 
         def do_POST(self) -> None:
-            length = int(self.headers.get("Content-Length") or 0)
-            if length > 4096:  # (an action has no body worth reading)
-                self._send(413, "application/json", body_of({"error": "body too large"}))
+            given = self.headers.get("Content-Length") or "0"
+            length = int(given) if given.isdigit() else -1
+            if not 0 <= length <= 4096:  # (an action has no body worth reading)
+                self._send(400, "application/json", body_of({"error": "bad Content-Length"}))
                 return
             self.rfile.read(length)
             learners = {int(r["learner"]) for r in board.snapshot().get("learners", [])}
