@@ -71,3 +71,35 @@ def test_actions_are_off_beyond_loopback_unless_turned_on(http, setting, enabled
     assert code == (202 if enabled else 403)
     if not enabled:
         assert "actions are off" in str(reply["error"])
+
+
+def test_the_endpoint_answers_malformed_posts_with_an_error_and_queues_a_good_one():
+    import http.client
+
+    from ddiloco.runtime.processes.syncer.status import StatusBoard, StatusServer
+
+    board, g = StatusBoard("r"), gate()
+    board.publish({"learners": [{"learner": 0}, {"learner": 1}], "rounds": 0})
+    server = StatusServer("127.0.0.1:0", board, g)
+    host, port = server.httpd.server_address[:2]
+
+    def post(path: str, headers: dict[str, str]) -> int:
+        c = http.client.HTTPConnection(str(host), int(port), timeout=5)
+        c.putrequest("POST", path)
+        for k, v in headers.items():
+            c.putheader(k, v)
+        c.endheaders()
+        code = c.getresponse().status
+        c.close()
+        return code
+
+    try:
+        for length in ("abc", "-5", "99999999"):
+            assert (
+                post("/learners/1/kill", {"Content-Length": length, "Authorization": BEARER}) == 400
+            )
+        assert post("/learners/1/leave", {"Content-Length": "0"}) == 401
+        assert post("/learners/1/leave", {"Content-Length": "0", "Authorization": BEARER}) == 202
+    finally:
+        server.close()
+    assert sent(g) == [(1, "leave", {"why": "an operator at 127.0.0.1"})]
