@@ -103,13 +103,14 @@ def test_the_status_page_shows_every_learner_and_changes_as_the_run_goes_on(tmp_
             )
             state["browser"].start()
         restarted = launcher.restarts.get("learner-1")  # (the launcher's own records
-        if r["kind"] in ("recovered", "learner_up") and r["learner"] == 1 and restarted:
-            state.setdefault("back", state["rounds"])  # do not pass through the hooks)
-        back = state.get("back")  # ... and a few rounds later (snapshots come once a beat)
+        if r["kind"] == "joined" and r["learner"] == 1 and restarted:  # the syncer let it in
+            state.setdefault("back", (state["rounds"], time.monotonic()))  # (do not pass
+        back = state.get("back")  # through the hooks) ... and a few rounds and beats later
+        in_again = back is not None and state["rounds"] >= back[0] + 4
         page = state["page"]
         done = "browser" in state and not state["browser"].is_alive()
         failed = "error" in page or not page.get("killed", "").startswith("202")
-        done = done and (failed or (back is not None and state["rounds"] >= back + 6))
+        done = done and (failed or (in_again and time.monotonic() - back[1] >= 3.0))
         if done and "stopped" not in state:
             state["status"].append(json.loads(get(state["url"] + "status.json")))
             state["metrics"] = get(state["url"] + "metrics").decode()  # (both learners in)
