@@ -196,8 +196,10 @@ def test_a_ray_run_survives_a_killed_and_a_frozen_learner_and_nodes_coming_and_g
                 event = ChaosEvent(at=launcher.now(), kind="node_loss", learner=r["learner"])
                 launcher.play(event)  # once the learner Ray put there trains: lost with it
                 state["lost"] = time.monotonic()
+        if r["kind"] == "recovered" and r["learner"] == 0:  # the crashed one, back
+            state["recovered"] = True
         lost_a_while = state["lost"] is not None and time.monotonic() - state["lost"] > 10.0
-        if lost_a_while and "stop" not in state:  # the lost learner detected, the others on
+        if lost_a_while and "recovered" in state and "stop" not in state:  # (the others on)
             state["stop"] = True
             launcher.request_stop()
 

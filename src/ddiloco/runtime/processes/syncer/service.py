@@ -327,7 +327,7 @@ class SyncerService:
 
     def on_progress(self, m: int, meta: dict[str, Any], _: memoryview) -> None:
         report = messages.progress(meta, self.plan.num_fragments)
-        if m not in self.syncer.policy.progress or self.incarnations.get(m) != report.incarnation:
+        if self.incarnations.get(m) != report.incarnation:
             self.send(m, "rehello")
             return
         now = self.events.now()
@@ -338,6 +338,9 @@ class SyncerService:
         self.tokens += self.ledger.reported(
             m, step, tokens, report.rebased, self.syncer.versions, steps
         )
+        if m not in self.syncer.policy.progress:  # a life we gave up (silent: frozen, cut
+            self.send(m, "rehello")  # off) trained these all the same: counted (its answers
+            return  # claim them); it says hello to be waited for again
         if not steps:
             return
         for rnd in self.syncer.on_progress(m, step, now, report.seconds):
