@@ -24,10 +24,10 @@ Bit for bit the eager path's results:
   caller's ``sf = scale * 2**(bits - 8)`` in float32, as the eager path does, including its
   int8 wrap of the int2 code 3 (never written) to ``q = -2`` (see ``_d2``).
 
-Layout of the code, for speed. Each codec has a serial kernel over rows of blocks
-(``_enc4_rows``...) and a parallel one (made by ``_encoder``/``_decoder``) that hands
-chunks of rows to it over ``prange``; small tensors and one-thread runs call the serial
-one, skipping the thread pool.
+Layout of the code, for speed. Each codec has a serial kernel over rows of blocks (made
+for its width by ``_enc_rows``/``_dec_rows``) and a parallel one (made by
+``_encoder``/``_decoder``) that hands chunks of rows to it over ``prange``; small tensors
+and one-thread runs call the serial one, skipping the thread pool.
 Indices inside the rows are uint64: numba wraps negative signed indices, and that check
 (which LLVM cannot drop for an offset it cannot prove non-negative) turns every vector load
 into a gather, 2-3x slower. Slicing happens once per chunk, not per block: each slice
@@ -119,114 +119,58 @@ def _code(v: Any, inv: Any, offset: Any) -> Any:
 
 # Encoders. ``x`` (nb * bs,) float32, whole blocks only, and ``xi`` the same memory as
 # int32; ``am`` (nb,) int32 gets the bits of each block's absmax (the caller reads them as
-# float32); ``packed`` (nb, bs * bits / 8) uint8. Row ``b`` reads block ``b`` only.
-
-
-@_serial
-def _enc8_rows(x: Any, xi: Any, bs: int, am: Any, packed: Any) -> None:
-    n = _U(bs)
-    for b in range(am.shape[0]):
-        row, base = _U(b), _U(b) * n
-        m = _absmax_bits(xi, base, n)
-        am[row] = m
-        if m >= _NONFINITE:
-            continue  # refused by the caller; the codes are never used
-        inv = _inv(m, _Q8)
-        for j in range(n):
-            packed[row, j] = np.uint8(_code(x[base + j], inv, 0.0) & 0xFF)
-
-
-@_serial
-def _enc4_rows(x: Any, xi: Any, bs: int, am: Any, packed: Any) -> None:
-    n = _U(bs)
-    p = n // _U(2)
-    for b in range(am.shape[0]):
-        row, base = _U(b), _U(b) * n
-        m = _absmax_bits(xi, base, n)
-        am[row] = m
-        if m >= _NONFINITE:
-            continue
-        inv = _inv(m, _Q4)
-        for j in range(p):
-            lo = _code(x[base + j], inv, 8.0)
-            hi = _code(x[base + p + j], inv, 8.0)
-            packed[row, j] = np.uint8(lo | (hi << 4))
-
-
-@_serial
-def _enc2_rows(x: Any, xi: Any, bs: int, am: Any, packed: Any) -> None:
-    n = _U(bs)
-    p = n // _U(4)
-    for b in range(am.shape[0]):
-        row, base = _U(b), _U(b) * n
-        m = _absmax_bits(xi, base, n)
-        am[row] = m
-        if m >= _NONFINITE:
-            continue
-        inv = _inv(m, _Q1)
-        for j in range(p):
-            c0 = _code(x[base + j], inv, 1.0)
-            c1 = _code(x[base + p + j], inv, 1.0)
-            c2 = _code(x[base + _U(2) * p + j], inv, 1.0)
-            c3 = _code(x[base + _U(3) * p + j], inv, 1.0)
-            packed[row, j] = np.uint8(c0 | (c1 << 2) | (c2 << 4) | (c3 << 6))
+# float32); ``packed`` (nb, bs * bits / 8) uint8. Row ``b`` reads block ``b`` only. The
+# layout is planar: byte ``j`` of a row holds the codes of values ``j, p + j, 2p + j...``
+# (``p`` bytes a row), value ``k * p + j`` at bit ``bits * k``.
 
 
 @_inline
-def _sign_bit(v: Any) -> Any:
-    return np.int32(v >= np.float32(0.0))  # -0.0 included, as torch.ge(x, 0.0)
+def _sign_bit(v: Any, inv: Any, offset: Any) -> Any:
+    """int1's code: the sign bit (-0.0 gives 1, as torch.ge(x, 0.0)); no scale needed."""
+    return np.int32(v >= np.float32(0.0))
 
 
-@_serial
-def _enc1_rows(x: Any, xi: Any, bs: int, am: Any, packed: Any) -> None:
-    n = _U(bs)
-    p = n // _U(8)
-    for b in range(am.shape[0]):
-        row, base = _U(b), _U(b) * n
-        am[row] = _absmax_bits(xi, base, n)
-        for j in range(p):
-            byte = _sign_bit(x[base + j])
-            byte |= _sign_bit(x[base + p + j]) << 1
-            byte |= _sign_bit(x[base + _U(2) * p + j]) << 2
-            byte |= _sign_bit(x[base + _U(3) * p + j]) << 3
-            byte |= _sign_bit(x[base + _U(4) * p + j]) << 4
-            byte |= _sign_bit(x[base + _U(5) * p + j]) << 5
-            byte |= _sign_bit(x[base + _U(6) * p + j]) << 6
-            byte |= _sign_bit(x[base + _U(7) * p + j]) << 7
-            packed[row, j] = np.uint8(byte)
+def _enc_rows(bits: int, code: Any, qmax: Any, offset: float) -> Any:
+    """The serial encoder of one width: ``code(v, inv, offset)`` per value, ``8 // bits``
+    codes a byte. ``bits``, ``code`` and the loop count are constants to numba, so LLVM
+    unrolls the loop over the codes of a byte and vectorizes over the bytes."""
+    per = 8 // bits
+
+    @_serial
+    def rows(x: Any, xi: Any, bs: int, am: Any, packed: Any) -> None:
+        n = _U(bs)
+        p = n // _U(per)
+        for b in range(am.shape[0]):
+            row, base = _U(b), _U(b) * n
+            m = _absmax_bits(xi, base, n)
+            am[row] = m
+            if m >= _NONFINITE:
+                continue  # refused by the caller; the codes are never used
+            inv = _inv(m, qmax)
+            for j in range(p):
+                byte = 0
+                for k in range(per):
+                    byte |= code(x[base + _U(k) * p + j], inv, offset) << (bits * k)
+                packed[row, j] = np.uint8(byte & 0xFF)
+
+    return rows
 
 
 # Decoders. ``packed`` (nb, bs * bits / 8) uint8 (int8 for int8), ``sf`` (nb,) float32
-# scale * 2**(bits - 8), ``out`` (nb * bs,) float32.
+# scale * 2**(bits - 8), ``out`` (nb * bs,) float32. ``value(t)`` reads the code in the
+# low bits of ``t`` as the eager path's float32(q * 2**(8 - bits)).
 
 
-@_serial
-def _dec8_rows(packed: Any, sf: Any, bs: int, out: Any) -> None:
-    n = _U(bs)
-    for b in range(sf.shape[0]):
-        row, base = _U(b), _U(b) * n
-        s = sf[row]
-        for j in range(n):
-            out[base + j] = np.float32(packed[row, j]) * s
+@_inline
+def _d8(t: Any) -> Any:
+    """The int8 code itself (``t`` holds it sign-extended)."""
+    return np.float32(t)
 
 
 @_inline
 def _d4(t: Any) -> Any:
     """Nibble ``t & 15`` = q + 8 -> float32(q * 16), as the eager int8 of ``nibble ^ 8 << 4``."""
     return np.float32(np.int32(((t & 15) - 8) * 16))
-
-
-@_serial
-def _dec4_rows(packed: Any, sf: Any, bs: int, out: Any) -> None:
-    n = _U(bs)
-    p = n // _U(2)
-    for b in range(sf.shape[0]):
-        row, base = _U(b), _U(b) * n
-        s = sf[row]
-        for j in range(p):
-            t = np.int32(packed[row, j])
-            out[base + j] = _d4(t) * s
-            out[base + p + j] = _d4(t >> 4) * s
 
 
 @_inline
@@ -236,44 +180,29 @@ def _d2(t: Any) -> Any:
     return np.float32(np.int32(((((t & 3) << 6) + 64) & 0xFF) - 128))
 
 
-@_serial
-def _dec2_rows(packed: Any, sf: Any, bs: int, out: Any) -> None:
-    n = _U(bs)
-    p = n // _U(4)
-    for b in range(sf.shape[0]):
-        row, base = _U(b), _U(b) * n
-        s = sf[row]
-        for j in range(p):
-            t = np.int32(packed[row, j])
-            out[base + j] = _d2(t) * s
-            out[base + p + j] = _d2(t >> 2) * s
-            out[base + _U(2) * p + j] = _d2(t >> 4) * s
-            out[base + _U(3) * p + j] = _d2(t >> 6) * s
-
-
 @_inline
 def _d1(t: Any) -> Any:
     """Bit ``t & 1`` -> +1.0 or -1.0 (times a zero scale, -1 gives -0.0 as in eager)."""
     return np.float32(np.int32(((t & 1) << 1) - 1))
 
 
-@_serial
-def _dec1_rows(packed: Any, sf: Any, bs: int, out: Any) -> None:
-    n = _U(bs)
-    p = n // _U(8)
-    for b in range(sf.shape[0]):
-        row, base = _U(b), _U(b) * n
-        s = sf[row]
-        for j in range(p):
-            t = np.int32(packed[row, j])
-            out[base + j] = _d1(t) * s
-            out[base + p + j] = _d1(t >> 1) * s
-            out[base + _U(2) * p + j] = _d1(t >> 2) * s
-            out[base + _U(3) * p + j] = _d1(t >> 3) * s
-            out[base + _U(4) * p + j] = _d1(t >> 4) * s
-            out[base + _U(5) * p + j] = _d1(t >> 5) * s
-            out[base + _U(6) * p + j] = _d1(t >> 6) * s
-            out[base + _U(7) * p + j] = _d1(t >> 7) * s
+def _dec_rows(bits: int, value: Any) -> Any:
+    """The serial decoder of one width, the encoder's layout read back."""
+    per = 8 // bits
+
+    @_serial
+    def rows(packed: Any, sf: Any, bs: int, out: Any) -> None:
+        n = _U(bs)
+        p = n // _U(per)
+        for b in range(sf.shape[0]):
+            row, base = _U(b), _U(b) * n
+            s = sf[row]
+            for j in range(p):
+                t = np.int32(packed[row, j])
+                for k in range(per):
+                    out[base + _U(k) * p + j] = value(t >> (bits * k)) * s
+
+    return rows
 
 
 # Parallel drivers: chunks of ``step`` rows over the thread pool, one slice per chunk. Each
@@ -302,8 +231,13 @@ def _decoder(rows: Any) -> Any:
     return decode
 
 
-_ENC_ROWS = {8: _enc8_rows, 4: _enc4_rows, 2: _enc2_rows, 1: _enc1_rows}
-_DEC_ROWS = {8: _dec8_rows, 4: _dec4_rows, 2: _dec2_rows, 1: _dec1_rows}
+_ENC_ROWS = {
+    8: _enc_rows(8, _code, _Q8, 0.0),
+    4: _enc_rows(4, _code, _Q4, 8.0),
+    2: _enc_rows(2, _code, _Q1, 1.0),
+    1: _enc_rows(1, _sign_bit, _Q1, 0.0),
+}
+_DEC_ROWS = {8: _dec_rows(8, _d8), 4: _dec_rows(4, _d4), 2: _dec_rows(2, _d2), 1: _dec_rows(1, _d1)}
 _ENC: dict[int, tuple[Any, Any]] = {b: (r, _encoder(r)) for b, r in _ENC_ROWS.items()}
 _DEC: dict[int, tuple[Any, Any]] = {b: (r, _decoder(r)) for b, r in _DEC_ROWS.items()}
 
