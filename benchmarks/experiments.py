@@ -34,9 +34,19 @@ CRASHES = (
 )
 
 
+def budget(tokens: int, evals: int = 5) -> list[str]:
+    """The run length every experiment sets: ``tokens``, evaluated ``evals`` times on the way."""
+    return [f"train.tokens={tokens}", f"train.eval_every={tokens // evals}"]
+
+
+def decoupled_alone(tokens: int, evals: int = 5) -> list[str]:
+    """Decoupled alone, without scripted chaos: what the experiments on its knobs vary."""
+    return [*budget(tokens, evals), "chaos=[]", "methods=['decoupled']"]
+
+
 def equal_tokens(tokens: int) -> list[Run]:
     """Exp. 1: Decoupled under failures vs failure-free Streaming DiLoCo and data-parallel."""
-    base = [f"train.tokens={tokens}", f"train.eval_every={tokens // 5}"]
+    base = budget(tokens)
     return [
         ("decoupled, crashes", [*base, "methods=['decoupled']", CRASHES]),
         ("streaming, no failures", [*base, "methods=['streaming']", "chaos=[]"]),
@@ -47,14 +57,11 @@ def equal_tokens(tokens: int) -> list[Run]:
 def heterogeneity(tokens: int) -> list[Run]:
     """Exp. 3: 8 learners, half 18% slower, +10% jitter: K = 8, K = 1, K = 1 + grace."""
     base = [
-        f"train.tokens={tokens}",
-        f"train.eval_every={tokens // 5}",
+        *decoupled_alone(tokens),
         "train.learners=8",
         "train.batch_size=4",
         "hardware.speed=[1, 1, 1, 1, 1.18, 1.18, 1.18, 1.18]",
         "hardware.jitter=0.1",
-        "chaos=[]",
-        "methods=['decoupled']",
     ]
     return [
         ("K=8 lock-step", [*base, "methods=['decoupled_sync']"]),
@@ -66,22 +73,14 @@ def heterogeneity(tokens: int) -> list[Run]:
 
 def codecs(tokens: int) -> list[Run]:
     """Exp. 5: wire formats of the outer gradients."""
-    base = [
-        f"train.tokens={tokens}",
-        f"train.eval_every={tokens // 5}",
-        "chaos=[]",
-        "methods=['decoupled']",
-    ]
+    base = decoupled_alone(tokens)
     return [(c, [*base, f"sync.codec={c}"]) for c in ("bf16", "int8", "int4", "int2", "int1")]
 
 
 def fragmentation(tokens: int) -> list[Run]:
     """Exp. 6: balanced, layer-wise and tensor-wise plans (P = 6: gpt-1m has 7 layer groups)."""
     base = [
-        f"train.tokens={tokens}",
-        f"train.eval_every={tokens // 5}",
-        "chaos=[]",
-        "methods=['decoupled']",
+        *decoupled_alone(tokens),
         "sync.fragments=6",
         "sync.sync_every=12",
     ]
@@ -95,10 +94,7 @@ def fragmentation(tokens: int) -> list[Run]:
 def rda(tokens: int) -> list[Run]:
     """Exp. 4: RDA against the plain weighted mean at M = 8, each over outer learning rates."""
     base = [
-        f"train.tokens={tokens}",
-        f"train.eval_every={tokens // 5}",
-        "chaos=[]",
-        "methods=['decoupled']",
+        *decoupled_alone(tokens),
         "train.learners=8",
         "train.batch_size=4",
     ]
@@ -118,10 +114,7 @@ def scavenging(tokens: int) -> list[Run]:
     """Exp. 7: temporary learners that join at t = 30 and leave at t = 90 (+25/50/100% compute
     for a while): virtual time to a loss every run reaches."""
     base = [
-        f"train.tokens={tokens}",
-        f"train.eval_every={tokens // 20}",
-        "chaos=[]",
-        "methods=['decoupled']",
+        *decoupled_alone(tokens, evals=20),
         "chaos_gen.scavenge_join_at=30",
         "chaos_gen.scavenge_stay=60",
     ]
@@ -172,8 +165,7 @@ def failure_sweep(tokens: int) -> list[Run]:
             (
                 label,
                 [
-                    f"train.tokens={tokens}",
-                    f"train.eval_every={tokens // 5}",
+                    *budget(tokens),
                     f"train.max_virtual_seconds={seconds:.0f}",
                     "chaos=[]",
                     "methods=['decoupled','elastic_dp','data_parallel']",
@@ -227,12 +219,7 @@ SLOW_LINK = "network.latency_seconds=2.5"
 def apply_rules(tokens: int) -> list[Run]:
     """How a merged fragment meets local progress (sync.apply), at tau = 1, 2, 4, on the
     default link and on one slow enough that a merge comes back 4-8 steps after the ask."""
-    base = [
-        f"train.tokens={tokens}",
-        f"train.eval_every={tokens // 5}",
-        "methods=['decoupled']",
-        "chaos=[]",
-    ]
+    base = decoupled_alone(tokens)
     runs = []
     for link, extra in (("fast", []), ("far", [SLOW_LINK])):
         for tau in (1, 2, 4):
@@ -253,8 +240,7 @@ def scaling(tokens: int) -> list[Run]:
             model,
             [
                 f"model='{model}'",
-                f"train.tokens={tokens}",
-                f"train.eval_every={tokens // 5}",
+                *budget(tokens),
                 "train.device='auto'",
                 "methods=['decoupled', 'data_parallel']",
                 "chaos=[]",
