@@ -161,9 +161,7 @@ class Decoupled:
     learner_speed_cv: float = 0.0
 
     def __post_init__(self) -> None:
-        require(len(self.learners) >= 1, "decoupled.learners", self.learners, "at least one M")
-        for m in self.learners:
-            require(m >= 1, "decoupled.learners", m, "every M must be >= 1")
+        _counts("decoupled.learners", self.learners, "M")
         require(self.quorum >= 1, "decoupled.quorum", self.quorum, "must be >= 1")
         smallest = min(self.learners)
         require(
@@ -191,9 +189,7 @@ class Run:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        require(len(self.chips) >= 1, "run.chips", self.chips, "at least one cluster size")
-        for n in self.chips:
-            require(n >= 1, "run.chips", n, "must be >= 1")
+        _counts("run.chips", self.chips, "cluster size")
         require(self.days > 0, "run.days", self.days, "must be > 0")
         require(self.seeds >= 1, "run.seeds", self.seeds, "must be >= 1")
         require(self.seed >= 0, "run.seed", self.seed, "must be >= 0")
@@ -280,6 +276,13 @@ def _merge(into: dict[str, Any], data: dict[str, Any]) -> None:
             _merge(into[key], value)
         else:
             into[key] = dict(value) if isinstance(value, dict) else value
+
+
+def _counts(field_name: str, values: tuple[int, ...], what: str) -> None:
+    """A list of sizes (cluster sizes, learner counts): at least one, every one >= 1."""
+    require(len(values) >= 1, field_name, values, f"at least one {what}")
+    for v in values:
+        require(v >= 1, field_name, v, f"every {what} must be >= 1")
 
 
 def _positive(obj: Any, section: str, names: tuple[str, ...]) -> None:
