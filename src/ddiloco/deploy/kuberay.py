@@ -18,12 +18,9 @@ from ddiloco.deploy.common import (
     CONFIG_FILE,
     DeployOptions,
     Plan,
-    dns_name,
-    plan,
     yaml_documents,
 )
-from ddiloco.deploy.kubernetes import CONFIG_DIR, MOUNTS, config_map, labels, volumes
-from ddiloco.errors import require
+from ddiloco.deploy.kubernetes import CONFIG_DIR, MOUNTS, config_map, labels, prepare, volumes
 
 HEAD_PORTS = [
     {"name": "gcs", "containerPort": 6379},
@@ -34,13 +31,12 @@ HEAD_PORTS = [
 
 def generate(config: RunConfig, config_text: str, options: DeployOptions) -> dict[str, str]:
     """``configmap.yaml``, ``raycluster.yaml`` and the README."""
-    require(bool(options.image), "--image", options.image, "kuberay needs a Ray image with ddiloco")
-    p = plan(
+    name, p = prepare(
         config,
         options,
+        needs="kuberay needs a Ray image with ddiloco",
         one_node="a Ray learner is one actor on one node (use slurm for several nodes)",
     )
-    name = dns_name(options.run_id)
     cluster = ray_cluster(name, config, options, p)
     return {
         "configmap.yaml": yaml_documents(config_map(name, options, config_text)),

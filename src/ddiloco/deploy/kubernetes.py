@@ -46,13 +46,12 @@ STARTED = f"{STATE_DIR}/started"
 
 def generate(config: RunConfig, config_text: str, options: DeployOptions) -> dict[str, str]:
     """``configmap.yaml``, ``syncer.yaml``, ``learners.yaml`` and the README."""
-    require(bool(options.image), "--image", options.image, "kubernetes needs a container image")
-    p = plan(
+    name, p = prepare(
         config,
         options,
+        needs="kubernetes needs a container image",
         one_node="a Kubernetes learner is one pod (use slurm or kuberay for several nodes)",
     )
-    name = dns_name(options.run_id)
     return {
         "configmap.yaml": yaml_documents(config_map(name, options, config_text)),
         "syncer.yaml": yaml_documents(*syncer_objects(name, options, p)),
@@ -67,6 +66,16 @@ def labels(name: str, component: str) -> dict[str, str]:
         "app.kubernetes.io/instance": name,
         "app.kubernetes.io/component": component,
     }
+
+
+def prepare(
+    config: RunConfig, options: DeployOptions, needs: str, one_node: str
+) -> tuple[str, Plan]:
+    """Where both Kubernetes targets start (pods here, a RayCluster in kuberay): the image
+    they ``needs``, checked; the plan, a learner on one node (``one_node``: why); the name."""
+    require(bool(options.image), "--image", options.image, needs)
+    p = plan(config, options, one_node=one_node)
+    return dns_name(options.run_id), p
 
 
 def config_map(name: str, options: DeployOptions, config_text: str) -> dict[str, Any]:
