@@ -51,6 +51,8 @@ class RunWriter:
 
     def emit(self, record: dict[str, Any]) -> None:
         self.metrics.emit(record)
+        if record.get("kind") == "syncer_up" and record.get("status_url"):  # each life's own
+            (self.out / "status_url").write_text(f"{record['status_url']}\n", encoding="utf-8")
         self.progress(self.method, record)
         for sink in self.sinks:
             sink(self.method, record)

@@ -344,8 +344,6 @@ class Launcher(Supervisor):
             self.seen["rounds"] += 1
         elif kind == "eval":
             self.seen["eval"] = record
-        if kind == "syncer_up" and record.get("status_url"):  # (each life binds its own)
-            (self.out / "status_url").write_text(f"{record['status_url']}\n", encoding="utf-8")
         if kind == "summary" and name == SYNCER:
             self.summary = record
         elif kind == "syncer_up" and self.stop_requested:

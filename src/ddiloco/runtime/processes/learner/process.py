@@ -408,7 +408,7 @@ class LearnerProcess:
         """Copy a healthy peer (nobody pauses), else start from the syncer's fragments;
         ``kind``: the event that says so (``caught_up``: a late first start)."""
         peers = self.link.request_peers(timeout=30.0)
-        for pid, address in sorted(peers.items(), key=lambda kv: int(kv[0])):
+        for pid, address in peers.items():  # the syncer's order: the furthest trained first
             try:
                 # a peer that died since the syncer last heard of it never answers: 10 s
                 blob = fetch_snapshot(address, self.run_id, self.secret, self.m, timeout=10.0)

@@ -321,8 +321,12 @@ class SyncerService:
         self.conn.inline.add(m)
 
     def on_peers(self, m: int, meta: dict[str, Any], _: memoryview) -> None:
+        """The live learners worth copying, the furthest trained first (the learner tries them
+        in this order): one that has not stepped in its life (it may be copying a peer
+        itself, and would never answer) has nothing the global fragments do not."""
         live = self.syncer.policy.progress
-        peers = {str(k): a for k, a in self.addresses.items() if k != m and k in live and a}
+        ahead = sorted((k for k in live if k != m and live[k] > 0), key=lambda k: -live[k])
+        peers = {str(k): self.addresses[k] for k in ahead if self.addresses.get(k)}
         self.send(m, "peers", meta={"peers": peers})
 
     def on_progress(self, m: int, meta: dict[str, Any], _: memoryview) -> None:
