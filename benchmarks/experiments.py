@@ -34,6 +34,10 @@ CRASHES = (
 )
 
 
+# M = 8 at the default global batch (4 learners x 8 sequences): the same tokens per step
+EIGHT_LEARNERS = ("train.learners=8", "train.batch_size=4")
+
+
 def budget(tokens: int, evals: int = 5) -> list[str]:
     """The run length every experiment sets: ``tokens``, evaluated ``evals`` times on the way."""
     return [f"train.tokens={tokens}", f"train.eval_every={tokens // evals}"]
@@ -58,8 +62,7 @@ def heterogeneity(tokens: int) -> list[Run]:
     """Exp. 3: 8 learners, half 18% slower, +10% jitter: K = 8, K = 1, K = 1 + grace."""
     base = [
         *decoupled_alone(tokens),
-        "train.learners=8",
-        "train.batch_size=4",
+        *EIGHT_LEARNERS,
         "hardware.speed=[1, 1, 1, 1, 1.18, 1.18, 1.18, 1.18]",
         "hardware.jitter=0.1",
     ]
@@ -93,11 +96,7 @@ def fragmentation(tokens: int) -> list[Run]:
 
 def rda(tokens: int) -> list[Run]:
     """Exp. 4: RDA against the plain weighted mean at M = 8, each over outer learning rates."""
-    base = [
-        *decoupled_alone(tokens),
-        "train.learners=8",
-        "train.batch_size=4",
-    ]
+    base = [*decoupled_alone(tokens), *EIGHT_LEARNERS]
     runs = []
     for rule, rates in (("rda", (0.3, 0.5, 0.7)), ("mean", (0.5, 0.7, 1.0))):
         for lr in rates:
