@@ -116,3 +116,20 @@ def test_on_a_terminal_the_status_is_one_live_line_below_the_events(monkeypatch)
     assert lines[0].count("\r\x1b[K") == 3  # 2 status lines drawn in place, then the event
     assert lines[1].endswith("0:s4 1:DOWN") and lines[2] == ""  # the last status, redrawn
     assert not Progress(1, stream=io.StringIO()).live  # a file or a CI log: plain lines
+
+
+def test_on_a_terminal_an_evaluation_status_line_supersedes_the_live_line(monkeypatch):
+    # seen in a real run: the live line drawn before the final evaluation stayed on screen
+    # below it, an older status as the run's last line
+    monkeypatch.setenv("COLUMNS", "300")
+    out, clock = Terminal(), Clock()
+    progress = Progress(10_000, stream=out, every=1.0, clock=clock)
+    for i in range(1, 3):
+        clock.now = float(i)
+        progress("decoupled", _step(0, i, 4.0, float(i)))
+    progress("decoupled", {"kind": "eval", "loss": 3.25, "tokens": 200, "t": 2.5})
+    progress.close()
+    screen = out.getvalue()
+    assert screen.endswith("eval 3.2500  0:s2\n"), repr(screen[-120:])  # the last line stays
+    last = screen.split("\n")[-2].split("\r\x1b[K")[-1]  # what the terminal shows last
+    assert "eval 3.2500" in last and screen.count("\n") == 1  # no stale live line after it

@@ -240,6 +240,8 @@ class Progress:
             parts.append(f"rounds {self.rounds} ({self.last_round})")
         if self.learners:
             parts.append(" ".join(self._state(m) for m in sorted(self.learners)))
+        if extra:  # a status line that stays (an evaluation's) supersedes the live one
+            self.pinned = ""
         self.say("  ".join(parts), transient=not extra)
 
     def _state(self, m: int) -> str:
