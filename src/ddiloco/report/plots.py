@@ -6,6 +6,7 @@ second. Time is virtual seconds on the simulated clock and wall seconds on real 
 from __future__ import annotations
 
 import json
+import math
 import tomllib
 from collections import defaultdict
 from collections.abc import Iterable
@@ -150,17 +151,34 @@ def plot_timeline(
     return out
 
 
+def train_loss_curves(
+    records: Iterable[dict[str, Any]],
+) -> dict[tuple[str, int], list[tuple[float, float]]]:
+    """(time, smoothed loss) of each (method, learner). A curve breaks (a NaN point) where a
+    learner's steps do not follow on (a restart that copied a peer, a rollback): no line
+    across the outage, and the average starts again from the new life's own losses instead
+    of dragging the old life's."""
+    curves: dict[tuple[str, int], list[tuple[float, float]]] = defaultdict(list)
+    last_step: dict[tuple[str, int], int] = {}
+    for r in records:
+        if r["kind"] != "step":
+            continue
+        key, loss = (r["method"], r["learner"]), float(r["loss"])
+        points = curves[key]
+        follows = bool(points) and last_step.get(key) == int(r["step"]) - 1
+        if points and not follows:
+            points.append((r["t"], math.nan))  # (matplotlib breaks the line at a NaN)
+        last = points[-1][1] if follows else loss
+        points.append((r["t"], (1 - LOSS_SMOOTHING) * last + LOSS_SMOOTHING * loss))
+        last_step[key] = int(r["step"])
+    return curves
+
+
 def plot_train_loss(
     records: Iterable[dict[str, Any]], out: Path, seconds: str = "virtual seconds"
 ) -> Path:
-    """Each learner's train loss (a moving average of its steps) against time, per method."""
-    curves: dict[tuple[str, int], list[tuple[float, float]]] = defaultdict(list)
-    for r in records:
-        if r["kind"] == "step":
-            points = curves[(r["method"], r["learner"])]
-            loss = float(r["loss"])
-            last = points[-1][1] if points else loss
-            points.append((r["t"], (1 - LOSS_SMOOTHING) * last + LOSS_SMOOTHING * loss))
+    """Each learner's train loss (:func:`train_loss_curves`) against time, per method."""
+    curves = train_loss_curves(records)
     fig, ax = plt.subplots(figsize=(11, 4))
     for (method, m), points in sorted(curves.items()):
         ax.plot([t for t, _ in points], [v for _, v in points], label=f"{method} {m}", lw=1)
