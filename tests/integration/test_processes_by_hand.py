@@ -64,6 +64,8 @@ def test_a_hand_started_syncer_writes_a_run_directory_that_compare_reads(tmp_pat
     assert "syncer status: http://" in said and "tokens" in said and "eval" in said
     assert f"run directory: {run}" in said
     assert (run / "config.toml").is_file() and (run / "syncer_state").is_dir()
+    up = next(line for line in said.splitlines() if "syncer status: http://" in line)
+    assert (run / "status_url").read_text().strip() in up  # where the page is, for a script
 
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     kinds = {r["kind"] for r in records}

@@ -94,7 +94,14 @@ def run(args: argparse.Namespace) -> int:
             t0 = t0 if args.t0 is not None else time.time() - last_time(out)
         writer = RunWriter(out, config, quiet=args.quiet, append=again)
         writer.begin(args.method)
-    sink: Callable[[dict[str, Any]], None] | None = writer.emit if writer else None
+    sink: Callable[[dict[str, Any]], None] | None = None
+    if writer is not None and out is not None:
+        from ddiloco.report.run_writer import note_status_url
+
+        def sink(record: dict[str, Any], writer: RunWriter = writer, out: Path = out) -> None:
+            writer.emit(record)
+            note_status_url(out, record)
+
     if writer is None:  # a person at a terminal reads lines; a supervisor or a log, the records
         from ddiloco.report.progress import terminal_sink
 

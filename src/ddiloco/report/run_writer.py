@@ -51,8 +51,6 @@ class RunWriter:
 
     def emit(self, record: dict[str, Any]) -> None:
         self.metrics.emit(record)
-        if record.get("kind") == "syncer_up" and record.get("status_url"):  # each life's own
-            (self.out / "status_url").write_text(f"{record['status_url']}\n", encoding="utf-8")
         self.progress(self.method, record)
         for sink in self.sinks:
             sink(self.method, record)
@@ -66,6 +64,13 @@ class RunWriter:
         self.metrics.close()
         for sink in self.sinks:
             sink.close()
+
+
+def note_status_url(out: Path, record: dict[str, Any]) -> None:
+    """``<run>/status_url`` from a syncer's ``syncer_up`` record (each syncer life binds its
+    own port); the launchers and a hand-started ``ddiloco syncer --out`` both call it."""
+    if record.get("kind") == "syncer_up" and record.get("status_url"):
+        (out / "status_url").write_text(f"{record['status_url']}\n", encoding="utf-8")
 
 
 def finish(out: Path, summaries: Sequence[dict[str, Any]]) -> None:

@@ -51,6 +51,7 @@ from ddiloco.config import RunConfig, to_toml
 from ddiloco.errors import FATAL_EXIT as FATAL_EXIT  # re-exported: what a process exits with
 from ddiloco.errors import ConfigError
 from ddiloco.methods import method_for
+from ddiloco.report.run_writer import note_status_url
 from ddiloco.report.summary import syncer_summary
 from ddiloco.runtime.processes.launcher.devices import (
     GPU_ENV,
@@ -344,6 +345,7 @@ class Launcher(Supervisor):
             self.seen["rounds"] += 1
         elif kind == "eval":
             self.seen["eval"] = record
+        note_status_url(self.out, record)
         if kind == "summary" and name == SYNCER:
             self.summary = record
         elif kind == "syncer_up" and self.stop_requested:

@@ -266,10 +266,15 @@ function draw(evals){const c=document.getElementById('curve'),g=c.getContext('2d
  evals.forEach((e,i)=>{const x=10+(c.width-20)*(e[0]-x0)/Math.max(1,x1-x0),
  y=c.height-10-(c.height-20)*(e[1]-y0)/Math.max(1e-9,y1-y0);i?g.lineTo(x,y):g.moveTo(x,y)});
  g.stroke();g.fillText(y1.toFixed(3),2,10);g.fillText(y0.toFixed(3),2,c.height-2)}
+function n(v){return Math.round(v).toLocaleString('en-US')}
+function pct(a,b){return b>0?(100*a/b).toFixed(1)+'%':'-'}
+function counts(o){const e=Object.entries(o||{});
+ return e.length?e.map(([k,v])=>k.replace(/_/g,' ')+' '+n(v)).join(', '):'none'}
 async function load(){try{const s=await (await fetch('status.json',{cache:'no-store'})).json();
  document.getElementById('run').textContent=s.run||'';
- document.getElementById('head').textContent='t = '+s.t+' s, tokens '+s.tokens+' of '+s.budget+
-  ', global step '+s.global_step+', rounds '+s.rounds;
+ document.getElementById('head').textContent='t = '+s.t.toFixed(1)+' s, tokens '+n(s.tokens)+
+  ' of '+n(s.budget)+' ('+pct(s.tokens,s.budget)+'), global step '+s.global_step+', rounds '+
+  s.rounds;
  const body=document.querySelector('#learners tbody');body.innerHTML='';
  for(const l of s.learners){const tr=document.createElement('tr');tr.className='learner '+l.state;
   const lm=l.last_merged||{};[l.learner,l.state,l.step,l.silent_seconds,lm.t,lm.staleness,
@@ -277,9 +282,11 @@ async function load(){try{const s=await (await fetch('status.json',{cache:'no-st
   tr.appendChild(buttons(l.learner,(s.actions||{}).enabled));body.appendChild(tr)}
  document.getElementById('act').hidden=!(s.actions||{}).enabled;
  document.getElementById('versions').textContent='versions: '+s.versions.join(', ');
- const led=s.ledger||{};document.getElementById('ledger').textContent='merged '+
-  led.tokens_merged+', wasted '+JSON.stringify(led.tokens_wasted)+(led.balanced?', balanced':'');
- document.getElementById('refused').textContent=JSON.stringify(s.refused);draw(s.evals||[])}
+ const led=s.ledger||{},el=document.getElementById('ledger');
+ el.textContent='merged '+n(led.tokens_merged)+' tokens ('+pct(led.tokens_merged,s.tokens)+
+  ' of those trained); wasted: '+counts(led.tokens_wasted)+'; '+
+  (led.balanced?'balanced':'NOT BALANCED');el.className=led.balanced?'':'down';
+ document.getElementById('refused').textContent=counts(s.refused);draw(s.evals||[])}
  catch(e){document.getElementById('head').textContent='syncer unreachable: '+e}}
 load();setInterval(load,2000);
 </script></body></html>
