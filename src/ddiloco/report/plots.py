@@ -27,6 +27,14 @@ LOSS_SMOOTHING = 0.1  # train-loss curves: an exponential moving average of the 
 DOWN_KINDS = ("crash", "node_loss", "preempt")  # drawn as observed: down until it merges again
 
 
+def save(fig: Any, out: Path) -> Path:
+    """Write ``fig`` to ``out`` (PNG, 100 dpi) and free it."""
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
+
+
 def read_metrics(path: Path) -> list[dict[str, Any]]:
     with path.open(encoding="utf-8") as f:
         return [json.loads(line) for line in f if line.strip()]
@@ -76,10 +84,7 @@ def plot_eval(
         ax.grid(alpha=0.3)
         ax.legend()
     fig.suptitle("Eval loss of the global model")
-    fig.tight_layout()
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
-    return out
+    return save(fig, out)
 
 
 def outages(rows: list[dict[str, Any]], end: float) -> list[tuple[int, float, float]]:
@@ -145,10 +150,7 @@ def plot_timeline(
         "freeze (purple), link cut (grey), recovered (^)",
     )
     ax.set_yticks(sorted(steps))
-    fig.tight_layout()
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
-    return out
+    return save(fig, out)
 
 
 def train_loss_curves(
@@ -186,10 +188,7 @@ def plot_train_loss(
     ax.grid(alpha=0.3)
     if curves:
         ax.legend(fontsize="small", ncol=2)
-    fig.tight_layout()
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
-    return out
+    return save(fig, out)
 
 
 def plot_bytes(
@@ -211,7 +210,4 @@ def plot_bytes(
     ax.set(xlabel=seconds, ylabel="bytes / s", title="Syncer -> learners bandwidth")
     ax.yaxis.set_major_formatter(COUNT)
     ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(out, dpi=100)
-    plt.close(fig)
-    return out
+    return save(fig, out)
