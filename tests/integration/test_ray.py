@@ -174,13 +174,22 @@ def test_a_ray_run_survives_a_killed_and_a_frozen_learner_and_nodes_coming_and_g
             "train.tokens=10000000",  # (the hook ends the run, 10 s after the node loss)
             "train.eval_every=200000",
             "processes.max_wall_seconds=240",
-            "chaos=[{at=20.0,kind='crash',learner=0,duration=1.0},"
-            "{at=24.0,kind='freeze',learner=1,duration=4.0}]",
         ],
     )
     state: dict[str, Any] = {"added": None, "lost": None, "rounds": 0, "steps": 0}
+    trained = {0: 0, 1: 0}  # each learner's steps in its first life
 
     def hook(launcher: RayLauncher, r: dict[str, Any]) -> None:
+        # the kill and the freeze strike learners that train, whatever the load (a kill at a
+        # fixed 20 s could hit an actor still importing torch: never placed, no first life)
+        if r["kind"] == "step" and r["learner"] in trained and "crashed" not in state:
+            trained[r["learner"]] += 1
+            if min(trained.values()) >= 10:
+                launcher.play(ChaosEvent(launcher.now(), kind="crash", learner=0, duration=1.0))
+                state["crashed"] = launcher.now()
+        if "crashed" in state and "froze" not in state and launcher.now() > state["crashed"] + 4:
+            launcher.play(ChaosEvent(launcher.now(), kind="freeze", learner=1, duration=4.0))
+            state["froze"] = True
         state["rounds"] += r["kind"] == "round"
         if state["added"] is None and state["rounds"] >= 2:
             cluster.start("b", cpus=1)  # capacity appears: a pending learner is placed
@@ -216,8 +225,10 @@ def test_a_ray_run_survives_a_killed_and_a_frozen_learner_and_nodes_coming_and_g
     assert any(r["kind"] == "recovered" and r["learner"] == 0 for r in rs), events
     restarted = [r for r in rs if r["kind"] == "started" and r["process"] == "learner-0"]
     crash = next(r for r in rs if r["kind"] == "chaos" and r["event"] == "crash")
-    # KNOWN, intermittent (1 CI run of 3, 2026-12-02, under load): learner 0 recovered with
-    # no second `started` record; reported loudly (xfail, at the end) until it is found
+    # KNOWN, intermittent (1 CI run of 3, 2026-12-02, under load, when the kill was planned at
+    # 20 s): learner 0 recovered with no second `started` record. Likely: the kill came while
+    # its actor was still starting (never placed: no `started` for that life). The kill now
+    # waits for learners that train; reported loudly (xfail, at the end) if it ever recurs
     restart_seen = len(restarted) >= 2 and restarted[-1]["reconstructed"]
     assert len({r["pid"] for r in restarted}) == len(restarted)  # a new worker process
     # the frozen one was frozen (SIGSTOP through its node) and trained after
