@@ -36,7 +36,7 @@ def ddiloco(*args: str, log: Path, env: dict[str, str]) -> subprocess.Popen[str]
 
 
 def test_a_hand_started_syncer_writes_a_run_directory_that_compare_reads(tmp_path, capsys):
-    config = load_config(None, [*SHORT, "train.tokens=16000", "report.progress_seconds=1.0"])
+    config = load_config(None, [*SHORT, "train.tokens=16000", "report.progress_seconds=0.25"])
     (tmp_path / "run.toml").write_text(to_toml(config))
     common = ["--config", str(tmp_path / "run.toml"), "--run-id", RUN_ID]
     env = {**os.environ, SECRET_ENV: bytes(range(32)).hex()}
@@ -63,12 +63,12 @@ def test_a_hand_started_syncer_writes_a_run_directory_that_compare_reads(tmp_pat
     said = (tmp_path / "s.log").read_text()
     assert EVENT_PREFIX not in said  # lines for a person, the records in the directory
     assert "syncer status: http://" in said and "tokens" in said and "eval" in said
-    # the periodic status line, while the run goes on, never more often than configured (1 s)
+    # the periodic status line, while the run goes on, never more often than configured
     periodic = [
-        float(x[1 : x.index("s]")]) for x in said.splitlines() if "tok/s" in x and "eval" not in x
+        float(x[1 : x.index("s]")]) for x in said.splitlines() if "  tokens " in x and "eval" not in x
     ]
     assert len(periodic) >= 2, said
-    assert all(b - a >= 0.9 for a, b in itertools.pairwise(periodic)), periodic
+    assert all(b - a >= 0.2 for a, b in itertools.pairwise(periodic)), periodic
     assert f"run directory: {run}" in said
     assert (run / "config.toml").is_file() and (run / "syncer_state").is_dir()
     up = next(line for line in said.splitlines() if "syncer status: http://" in line)
