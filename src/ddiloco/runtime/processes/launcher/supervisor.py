@@ -142,8 +142,20 @@ class Supervisor:
         """Start ``name`` (unless its current life still runs): ``args`` is a ddiloco command
         or, starting with ``-m``/``-c``, arguments to Python itself; ``env``: variables of
         this child's own on top of the run's (a learner's GPUs)."""
-        if not self.claim(name):
-            return
+        old = self.procs.get(name)
+        if self.claim(name):
+            self._launch(name, args, control, env, old)
+
+    def _launch(
+        self,
+        name: str,
+        args: list[str],
+        control: bool,
+        env: dict[str, str] | None,
+        old: Any,
+    ) -> None:
+        """Start the new life of ``name`` (claimed: its last life, ``old``, has ended) as a
+        child process in a process group of its own; a subclass starts it its own way."""
         log = self.log_files[name].open("a", encoding="utf-8")
         raw = args[0] in ("-m", "-c")  # a module or a program, else a ddiloco command
         argv = [sys.executable, *(args if raw else ["-m", "ddiloco.cli", *args])]

@@ -106,16 +106,15 @@ class RayLauncher(Launcher):
     def ranked(self, cmd: list[str]) -> list[str]:
         return cmd  # a learner's ranks are actors of their own (:mod:`.ranks`), no torchrun
 
-    def _spawn(
+    def _launch(
         self,
         name: str,
         args: list[str],
-        control: bool = False,
-        env: dict[str, str] | None = None,
+        control: bool,
+        env: dict[str, str] | None,
+        old: Any,
     ) -> None:
-        old = self.procs.get(name)
-        if not self.claim(name):
-            return
+        """The new life of ``name`` on its actor (or its rank actors), read by :func:`relay`."""
         if self._config_text is None:
             self._config_text = self.config_path.read_text(encoding="utf-8")
         if name.startswith("learner-") and self.host != NODE:
