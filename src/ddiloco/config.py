@@ -123,12 +123,13 @@ class SyncConfig:
     apply: str = "overwrite"  # how a merged fragment meets local progress (core/learner_state.py)
     blend: float = 0.5  # alpha of apply = "blend"
     merge_rule: str = "rda"
-    outer_lr: float = 0.5
-    outer_momentum: float = 0.9
+    outer_lr: float = 1.0  # Decoupled's outer step: the merged delta as it is (decision 83)
+    outer_momentum: float = 0.0  # (the paper's Nesterov: 0.5 and 0.9; docs/design.md §3.9)
     outer_optimizer: str = "nesterov"  # nesterov, sgd, delayed_nesterov (core/outer.py)
     outer_delay: int = 1  # delayed_nesterov: momentum refreshed every this many outer steps
     outer_follows_schedule: bool = True  # momentum in units of the inner lr (core/outer.py)
     mean_outer_lr: float = 0.7  # outer lr of the plain-mean baselines (docs/design.md §3.9)
+    mean_outer_momentum: float = 0.9  # their Nesterov momentum, as DiLoCo publishes it
     diloco_inner_steps: int = 12  # H of the DiLoCo baseline
     codec: str = "bf16"  # learner -> syncer
     broadcast_codec: str = "bf16"  # syncer -> learners
@@ -152,6 +153,13 @@ class SyncConfig:
             "sync.blend",
             self.blend,
             f"is used only by sync.apply = 'blend' (sync.apply is {self.apply!r})",
+        )
+        require(self.mean_outer_lr > 0.0, "sync.mean_outer_lr", self.mean_outer_lr, "must be > 0")
+        require(
+            0.0 <= self.mean_outer_momentum < 1.0,
+            "sync.mean_outer_momentum",
+            self.mean_outer_momentum,
+            "must be in [0, 1)",
         )
         self.rounds()
         self.outer()

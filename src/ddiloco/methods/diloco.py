@@ -22,5 +22,6 @@ def diloco(config: RunConfig) -> Method:
         grace=False,
         merge_rule="mean",
         outer_lr=config.sync.mean_outer_lr,
+        outer_momentum=config.sync.mean_outer_momentum,
     )
     return Method("diloco", FRAGMENTS, sync, waits_for_merge=True)

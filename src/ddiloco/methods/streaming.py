@@ -18,5 +18,6 @@ def streaming(config: RunConfig) -> Method:
         grace=False,
         merge_rule="mean",
         outer_lr=config.sync.mean_outer_lr,
+        outer_momentum=config.sync.mean_outer_momentum,
     )
     return Method("streaming", FRAGMENTS, sync, waits_for_merge=True)
