@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from ddiloco.config import METHODS, RunConfig, SyncConfig
 from ddiloco.errors import ConfigError
@@ -40,6 +41,18 @@ class Method:
     @property
     def fragments(self) -> bool:
         return self.family == FRAGMENTS
+
+
+def published_mean_step(config: RunConfig) -> dict[str, Any]:
+    """The plain-mean baselines' merge and outer step as DiLoCo and Streaming DiLoCo publish
+    them (a plain average; Nesterov at ``sync.mean_outer_lr`` and ``mean_outer_momentum``):
+    ``SyncConfig`` fields to replace."""
+    sync = config.sync
+    return {
+        "merge_rule": "mean",
+        "outer_lr": sync.mean_outer_lr,
+        "outer_momentum": sync.mean_outer_momentum,
+    }
 
 
 def method_for(config: RunConfig, name: str) -> Method:

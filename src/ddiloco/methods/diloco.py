@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from ddiloco.config import RunConfig
-from ddiloco.methods import FRAGMENTS, Method
+from ddiloco.methods import FRAGMENTS, Method, published_mean_step
 
 
 def diloco(config: RunConfig) -> Method:
@@ -20,8 +20,6 @@ def diloco(config: RunConfig) -> Method:
         overlap=0,
         quorum=config.train.learners,
         grace=False,
-        merge_rule="mean",
-        outer_lr=config.sync.mean_outer_lr,
-        outer_momentum=config.sync.mean_outer_momentum,
+        **published_mean_step(config),
     )
     return Method("diloco", FRAGMENTS, sync, waits_for_merge=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from ddiloco.config import RunConfig
-from ddiloco.methods import FRAGMENTS, Method
+from ddiloco.methods import FRAGMENTS, Method, published_mean_step
 
 
 def streaming(config: RunConfig) -> Method:
@@ -16,8 +16,6 @@ def streaming(config: RunConfig) -> Method:
         config.sync,
         quorum=config.train.learners,
         grace=False,
-        merge_rule="mean",
-        outer_lr=config.sync.mean_outer_lr,
-        outer_momentum=config.sync.mean_outer_momentum,
+        **published_mean_step(config),
     )
     return Method("streaming", FRAGMENTS, sync, waits_for_merge=True)
