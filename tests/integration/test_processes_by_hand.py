@@ -64,9 +64,8 @@ def test_a_hand_started_syncer_writes_a_run_directory_that_compare_reads(tmp_pat
     assert EVENT_PREFIX not in said  # lines for a person, the records in the directory
     assert "syncer status: http://" in said and "tokens" in said and "eval" in said
     # the periodic status line, while the run goes on, never more often than configured
-    periodic = [
-        float(x[1 : x.index("s]")]) for x in said.splitlines() if "  tokens " in x and "eval" not in x
-    ]
+    lines = [x for x in said.splitlines() if "  tokens " in x and "eval" not in x]
+    periodic = [float(x[1 : x.index("s]")]) for x in lines]
     assert len(periodic) >= 2, said
     assert all(b - a >= 0.2 for a, b in itertools.pairwise(periodic)), periodic
     assert f"run directory: {run}" in said
