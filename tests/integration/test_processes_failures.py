@@ -9,6 +9,7 @@ the launcher's own spawn), so what is tested is the supervision, not the trainin
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -255,6 +256,10 @@ def test_a_signal_to_ddiloco_train_stops_it_cleanly_with_a_summary(tmp_path, sig
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+            for r in records_of(out) if (out / "metrics.jsonl").exists() else []:
+                if r["kind"] == "started" and alive(r["pid"]):  # (sessions of their own: a
+                    with contextlib.suppress(ProcessLookupError):  # hung run must not load
+                        os.killpg(r["pid"], signal.SIGKILL)  # the tests after it)
     assert proc.returncode == code, stderr
     assert took < 20.0
     assert "Traceback" not in stderr, stderr

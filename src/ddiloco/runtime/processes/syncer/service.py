@@ -321,11 +321,12 @@ class SyncerService:
         self.conn.inline.add(m)
 
     def on_peers(self, m: int, meta: dict[str, Any], _: memoryview) -> None:
-        """The live learners worth copying, the furthest trained first (the learner tries them
-        in this order): one that has not stepped in its life (it may be copying a peer
-        itself, and would never answer) has nothing the global fragments do not."""
+        """The live learners' recovery addresses, the furthest trained first (the learner
+        tries them in this order): one at step 0 may be copying a peer itself and not answer
+        for seconds, so it comes last (not left out: a learner's credited progress lags its
+        steps, and early in a run a stepping peer can still be at 0 here)."""
         live = self.syncer.policy.progress
-        ahead = sorted((k for k in live if k != m and live[k] > 0), key=lambda k: -live[k])
+        ahead = sorted((k for k in live if k != m), key=lambda k: (-live[k], k))
         peers = {str(k): self.addresses[k] for k in ahead if self.addresses.get(k)}
         self.send(m, "peers", meta={"peers": peers})
 
