@@ -239,7 +239,14 @@ def test_a_signal_to_ddiloco_train_stops_it_cleanly_with_a_summary(tmp_path, sig
         "--quiet",
     ]
     proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        # a test runner started as a background job inherits SIGINT ignored, and so would the
+        # command (it keeps a signal ignored from the start, as Python does): as at a terminal
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     try:
         deadline = time.monotonic() + 90.0
