@@ -3,6 +3,12 @@ syncer, every rank trains, and the ranks stay identical through merges."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import time
 from typing import Any
 
 import pytest
@@ -48,3 +54,60 @@ def test_a_torchrun_learner_keeps_its_ranks_identical_and_counts_their_tokens(tm
         m: sum(1 for r in records if r["kind"] == "step" and r["learner"] == m) for m in (0, 1)
     }
     assert all(per_learner[m] == done[m]["step"] - start[m] for m in (0, 1))  # one per step
+
+
+RANKS_AT_BOUNDARIES = """
+import os, signal, sys, threading, torch
+from ddiloco.runtime.processes.learner.ranks import RankGroup, RankGroupFailed
+term = threading.Event()
+signal.signal(signal.SIGTERM, lambda *_: term.set())
+group = RankGroup("cpu", terminated=term)
+open(os.path.join(sys.argv[1], f"rank{group.rank}"), "w").write(str(os.getpid()))
+try:
+    while True:  # rank 0's decisions at every boundary, as a learner's loop shares them
+        group.share_boundary(False, False, [(0, 1, [torch.ones(3)])], [[(3,)]])
+except RankGroupFailed as e:
+    print("FAILED", e, flush=True)
+    os._exit(3)
+"""
+
+
+def test_a_rank_waiting_on_a_frozen_peer_fails_within_seconds_of_sigterm(tmp_path):
+    # torchrun stops a group's surviving ranks with SIGTERM (and SIGKILL only 30 s later): a
+    # rank whose peer is frozen (its socket open: the backend sees no error) must still hear
+    # it, and fail, rather than hold its learner's slot and link for those 30 s
+    script = tmp_path / "ranks.py"
+    script.write_text(RANKS_AT_BOUNDARIES)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    run = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    log = (tmp_path / "out").open("w")
+    agent = subprocess.Popen([*run, str(script), str(tmp_path)], env=env, stdout=log, stderr=log)
+    pids: dict[int, int] = {}
+    try:
+        deadline = time.monotonic() + 60
+        while len(pids) < 2 and time.monotonic() < deadline and agent.poll() is None:
+            time.sleep(0.1)
+            pids = {r: int(p.read_text()) for r in (0, 1) if (p := tmp_path / f"rank{r}").exists()
+                    and p.read_text()}  # fmt: skip
+        assert len(pids) == 2, (tmp_path / "out").read_text()
+        time.sleep(1.0)  # both at their boundaries
+        os.kill(pids[1], signal.SIGSTOP)
+        time.sleep(0.5)
+        os.kill(pids[0], signal.SIGTERM)
+        sent = time.monotonic()
+        while "FAILED" not in (tmp_path / "out").read_text() and time.monotonic() < sent + 25:
+            time.sleep(0.1)  # (torchrun's own SIGKILL would come at 30 s)
+        took = time.monotonic() - sent
+    finally:
+        for pid in pids.values():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        if agent.poll() is None:
+            agent.kill()
+        log.close()
+    out = (tmp_path / "out").read_text()
+    assert (
+        "FAILED rank 0 of 2: the boundary broadcast failed" in out
+        or "FAILED rank 0 of 2: the merged fragment broadcast failed" in out
+    ), out
+    assert "after SIGTERM" in out and took < 15.0, (took, out)

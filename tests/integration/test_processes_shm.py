@@ -60,6 +60,11 @@ def test_learners_behind_another_dev_shm_are_sent_inline_and_merged(tmp_path):
     missed = summary["refused"].get("shm_missing", 0)
     missed += summary["refused_by_learners"].get("shm_missing", 0)
     assert missed >= 1, (summary["refused"], summary["refused_by_learners"])
-    # ... then both sides went inline: every learner is merged, the run ends by its tokens
+    # ... then both sides went inline, the refused answers sent again (not left pending,
+    # unmerged): every learner is merged, the run ends by its tokens
+    logs = tmp_path / "run" / "processes" / "logs"
+    again = [line for m in (0, 1) for line in (logs / f"learner-{m}.log").read_text().splitlines()
+             if "cannot read our /dev/shm" in line]  # fmt: skip
+    assert again and all("(0 pending" not in line for line in again), again
     assert summary["tokens"] >= 48000 and merged(records, 0) >= 3 and merged(records, 1) >= 3
     assert summary["ledger_balanced"]

@@ -13,6 +13,9 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -75,6 +78,7 @@ def run(args: argparse.Namespace) -> int:
 
     from ddiloco.report.progress import terminal_sink
     from ddiloco.runtime.processes.learner.process import LearnerProcess
+    from ddiloco.runtime.processes.learner.ranks import RankGroupFailed
     from ddiloco.runtime.run import RunSetup
 
     require((args.id is None) == args.spare, "--id", args.id, "give a slot, or --spare (not both)")
@@ -109,7 +113,18 @@ def run(args: argparse.Namespace) -> int:
         state_dir=Path(args.state_dir or f"runs/{config.name}-learner-{args.id}"),
         resume=args.resume,
     )
-    return process.run()
+    try:
+        return process.run()
+    except RankGroupFailed as e:
+        logging.getLogger("ddiloco").error("learner %s: %s; exiting", args.id, e)
+        if threading.current_thread() is not threading.main_thread():
+            raise  # hosted (a Ray actor's thread): the host ends the life, not its process
+        # the group cannot go on, and nothing is left to save: exit now, not through an
+        # interpreter shutdown that may wait on the broken group's threads
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
 
 
 def take_over(args: argparse.Namespace, setup: Any) -> bool:
@@ -117,8 +132,6 @@ def take_over(args: argparse.Namespace, setup: Any) -> bool:
     for the launcher's one line naming the slot to take over; False at end of input. The
     spare then starts as that slot's restart (``--join``: it copies a peer)."""
     import json
-    import os
-    import sys
 
     import torch
 

@@ -431,11 +431,20 @@ class SyncerLink(threading.Thread):
         elif h.kind == "refused":
             self._fail(f"the syncer refused this learner: {str(h.meta.get('why'))[:400]}")
         elif h.kind == "no_shm" and self.wire.shm is not None:
+            # the answers that went by shared memory never reached it: send them again,
+            # inline (else each stays pending, unmerged, until a syncer restart)
+            by_shm = [key for key in self.pending if key in self.slots]
             log.warning(
-                "learner %d: the syncer cannot read our /dev/shm; sending inline", self.learner
+                "learner %d: the syncer cannot read our /dev/shm; sending inline (%d pending "
+                "answers again)",
+                self.learner,
+                len(by_shm),
             )
             self.wire.shm.close()
             self.wire.shm = None
+            self.slots.clear()
+            for key in by_shm:
+                self._send_answer(*self.pending[key])
 
     def _fragment(self, p: int, meta: dict[str, Any], payload: memoryview) -> None:
         version = int(meta["version"])

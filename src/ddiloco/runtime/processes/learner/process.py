@@ -83,7 +83,8 @@ class LearnerProcess:
         torch.set_num_threads(config.processes.threads)
         self.setup = setup
         self.m = learner
-        self.ranks = RankGroup(config.train.device)
+        self.leaving = threading.Event()  # SIGTERM: a clean leave (a rank's too: ranks.py)
+        self.ranks = RankGroup(config.train.device, terminated=self.leaving)
         if not self.ranks.leader:  # only rank 0 speaks for the learner
             events = Events(events.t0, open(os.devnull, "w"))  # noqa: SIM115
         self.events = events
@@ -138,7 +139,6 @@ class LearnerProcess:
             port=peer_port if self.ranks.leader else 0,
             advertise_host=peer_host,
         )
-        self.leaving = threading.Event()
         self.started = time.monotonic()
         self.rebased: list[int] = []
         self.tokens = 0
@@ -198,9 +198,13 @@ class LearnerProcess:
             peer=self.server.address,
             ranks=self.ranks.world,
         )
+        in_sync = False
         try:
             while self.step():
                 pass
+            # every rank checks before rank 0 says goodbye and saves: the others would wait
+            # for that in a collective, and a wait after SIGTERM is taken as a failed group
+            in_sync = self.ranks.agree(self.checksum())
             if self.ranks.leader and self.link.fatal is not None:
                 raise ConfigError("syncer", self.link.address, self.link.fatal)
             if self.ranks.leader and not self.link.stopped.is_set():  # leaving on our own
@@ -210,7 +214,6 @@ class LearnerProcess:
                 self.saves.save(self.sync.step, self.snapshot_state())
         finally:
             self.saves.close()
-            in_sync = self.ranks.agree(self.checksum())
             self.events(
                 "learner_done",
                 learner=self.m,

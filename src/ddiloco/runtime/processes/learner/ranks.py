@@ -7,12 +7,23 @@ on, which merged fragments to apply with their values), and at start the state r
 recovered (a snapshot's bytes). Only rank 0 has the syncer link and the snapshot server, so
 to the syncer a learner of any size is one learner. No pickle: only tensors are broadcast.
 With WORLD_SIZE unset or 1 every method is a cheap no-op.
+
+Every collective is started asynchronously and waited on in Python (:meth:`RankGroup._wait`),
+not inside the backend: a rank whose peer is gone must still hear its SIGTERM. Torchrun
+stops the surviving ranks of a group with SIGTERM (then SIGKILL 30 s later); a wait that
+sat in C++ would keep the learner's slot, and its rank 0's link, for those 30 s. A
+collective that fails, or still waits :data:`STUCK_AFTER_TERM_SECONDS` after a SIGTERM,
+raises :class:`RankGroupFailed`: the group cannot go on, and the learner exits non-zero.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import threading
+import time
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -20,16 +31,30 @@ from torch import nn
 
 from ddiloco.trainer import pick_device
 
+log = logging.getLogger(__name__)
+
 Apply = tuple[int, int, list[torch.Tensor]]  # fragment, version, values
+
+STUCK_AFTER_TERM_SECONDS = 5.0  # a collective still waiting this long after SIGTERM: failed
+WAIT_WARN_SECONDS = 30.0  # a collective waiting this long is said (then every 30 s)
+MAX_POLL_SECONDS = 0.005  # polls start at 50 us and double up to this
+
+
+class RankGroupFailed(RuntimeError):
+    """A collective among this learner's ranks failed: a rank is gone, the group cannot
+    go on (torchrun, or the Ray child, restarts the learner as a whole)."""
 
 
 class RankGroup:
-    """This process's place among its learner's data-parallel ranks."""
+    """This process's place among its learner's data-parallel ranks. ``terminated`` is
+    the learner's SIGTERM flag: a collective waiting on after it is taken as failed."""
 
-    def __init__(self, device: str = "cpu") -> None:
+    def __init__(self, device: str = "cpu", terminated: threading.Event | None = None) -> None:
         self.world = int(os.environ.get("WORLD_SIZE", "1"))
         self.rank = int(os.environ.get("RANK", "0"))
         self.device = torch.device("cpu")
+        self.terminated = terminated if terminated is not None else threading.Event()
+        self.failed: str | None = None  # why the group failed (a collective's error)
         if self.world > 1 and not dist.is_initialized():
             # the learner's device, not whatever the host has: a CPU run on a GPU host
             # all-reduces CPU tensors (gloo), which NCCL cannot
@@ -50,17 +75,60 @@ class RankGroup:
     def active(self) -> bool:
         return self.world > 1
 
+    def _wait(self, what: str, works: Sequence[Any]) -> None:
+        """Wait for started collectives, polling so that SIGTERM's handler runs meanwhile;
+        raises :class:`RankGroupFailed` on a collective's error, or when still waiting
+        :data:`STUCK_AFTER_TERM_SECONDS` after a SIGTERM (a peer rank is gone)."""
+        started = time.monotonic()
+        warn_at, term_seen, delay = started + WAIT_WARN_SECONDS, 0.0, 5e-5
+        while not all(w.is_completed() for w in works):
+            time.sleep(delay)
+            delay = min(2 * delay, MAX_POLL_SECONDS)
+            now = time.monotonic()
+            if self.terminated.is_set():
+                term_seen = term_seen or now
+                if now - term_seen >= STUCK_AFTER_TERM_SECONDS:
+                    self._fail(
+                        what,
+                        f"still waiting {now - started:.1f} s, {STUCK_AFTER_TERM_SECONDS:.0f} s "
+                        "after SIGTERM: a rank of this learner is gone",
+                    )
+            if now >= warn_at:
+                log.warning("rank %d: waiting %.0f s for the %s", self.rank, now - started, what)
+                warn_at = now + WAIT_WARN_SECONDS
+        try:
+            for w in works:
+                w.wait()
+        except RuntimeError as e:  # (DistBackendError is one: a peer's socket closed)
+            self._fail(what, str(e).splitlines()[0])
+
+    def _fail(self, what: str, why: str) -> None:
+        self.failed = f"rank {self.rank} of {self.world}: the {what} failed: {why}"
+        raise RankGroupFailed(self.failed)
+
     def average_gradients(self, model: nn.Module) -> None:
-        """All-reduce every gradient as backward produces it, so each rank's optimizer step
+        """All-reduce every gradient as backward produces it (overlapping the rest of
+        backward), then wait for them all at backward's end, so each rank's optimizer step
         sees the mean gradient of the learner's global batch."""
         if not self.active:
             return
         world = self.world
+        started: list[tuple[torch.Tensor, Any]] = []  # (gradient, its all-reduce)
+
+        def finish() -> None:  # backward's last callback (as DDP's): every gradient reduced
+            try:
+                self._wait("gradient all-reduce", [w for _, w in started])
+            finally:
+                grads = [g for g, _ in started]
+                started.clear()
+            for g in grads:
+                g.div_(world)
 
         def reduce(p: torch.Tensor) -> None:
             assert p.grad is not None
-            dist.all_reduce(p.grad)
-            p.grad.div_(world)
+            if not started:
+                torch.autograd.Variable._execution_engine.queue_callback(finish)
+            started.append((p.grad, dist.all_reduce(p.grad, async_op=True)))
 
         for p in model.parameters():
             if p.requires_grad:
@@ -86,7 +154,7 @@ class RankGroup:
                 head[3 + 2 * i], head[4 + 2 * i] = p, version
             for p in answered:
                 head[3 + 2 * p_count + p] = 1
-        dist.broadcast(head, 0)
+        self._wait("boundary broadcast", [dist.broadcast(head, 0, async_op=True)])
         flags = head[3 + 2 * p_count :].tolist()
         snapshots = [p for p in range(p_count) if flags[p]]
         out: list[Apply] = []
@@ -96,8 +164,8 @@ class RankGroup:
                 values = [v.to(self.device) for v in applies[i][2]]
             else:
                 values = [torch.empty(s, device=self.device) for s in shapes[p]]
-            for v in values:
-                dist.broadcast(v, 0)
+            works = [dist.broadcast(v, 0, async_op=True) for v in values]
+            self._wait("merged fragment broadcast", works)
             out.append((p, version, [v.cpu() for v in values]))
         return bool(head[0]), bool(head[1]), out, snapshots
 
@@ -107,23 +175,24 @@ class RankGroup:
             assert blob is not None
             return blob
         size = torch.tensor([len(blob) if blob is not None else 0], device=self.device)
-        dist.broadcast(size, 0)
+        self._wait("state broadcast", [dist.broadcast(size, 0, async_op=True)])
         if self.leader:
             assert blob is not None
             data = torch.frombuffer(bytearray(blob), dtype=torch.uint8).to(self.device)
         else:
             data = torch.empty(int(size), dtype=torch.uint8, device=self.device)
-        dist.broadcast(data, 0)
+        self._wait("state broadcast", [dist.broadcast(data, 0, async_op=True)])
         return blob if blob is not None else bytes(data.cpu().numpy().tobytes())
 
     def agree(self, value: float) -> bool:
         """Whether every rank holds the same ``value`` (e.g. a parameter checksum)."""
-        if not self.active:
-            return True
+        if not self.active or self.failed is not None:
+            return not self.active
         both = torch.tensor([value, -value], dtype=torch.float64, device=self.device)
-        dist.all_reduce(both, op=dist.ReduceOp.MAX)
+        work = dist.all_reduce(both, op=dist.ReduceOp.MAX, async_op=True)
+        self._wait("checksum all-reduce", [work])
         return float(both[0]) == -float(both[1])
 
     def close(self) -> None:
-        if self.active and dist.is_initialized():
+        if self.active and dist.is_initialized() and self.failed is None:
             dist.destroy_process_group()
