@@ -116,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         return process.run()
     except RankGroupFailed as e:
-        logging.getLogger("ddiloco").error("learner %s: %s; exiting", args.id, e)
+        logging.getLogger("ddiloco").error("%s; exiting", e)  # (the format names the learner)
         if threading.current_thread() is not threading.main_thread():
             raise  # hosted (a Ray actor's thread): the host ends the life, not its process
         # the group cannot go on, and nothing is left to save: exit now, not through an
