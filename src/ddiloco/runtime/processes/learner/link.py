@@ -145,6 +145,7 @@ class SyncerLink(threading.Thread):
         self.finishing = threading.Event()  # a final ask came: the syncer's final rounds
         self._closing = threading.Event()
         self._peers: queue.SimpleQueue[dict[str, str]] = queue.SimpleQueue()
+        self._asking_peers = threading.Event()  # a request_peers call is waiting
         self.syncer_session: int | None = None
         self.reconnects = 0
         self.next_hello = 0.0
@@ -182,13 +183,18 @@ class SyncerLink(threading.Thread):
     def request_peers(self, timeout: float) -> dict[str, str]:
         """Ask the syncer for the live peers' recovery addresses (used before training)."""
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and self.fatal is None:
-            self.outbox.put(AskPeers())
-            try:
-                return self._peers.get(timeout=0.25)  # (an ask before the link is up is lost)
-            except queue.Empty:
-                continue
-        return {}
+        self._asking_peers.set()
+        try:
+            while time.monotonic() < deadline and self.fatal is None:
+                self.outbox.put(AskPeers())
+                try:  # (an ask before the link is up is lost; one to no syncer session is
+                    # answered with a rehello, and asked again at once: see _handle)
+                    return self._peers.get(timeout=0.25)
+                except queue.Empty:
+                    continue
+            return {}
+        finally:
+            self._asking_peers.clear()
 
     def close(self, flush_seconds: float = 0.5) -> None:
         """Stop the thread once it has sent what is queued (a goodbye, the last progress),
@@ -396,6 +402,8 @@ class SyncerLink(threading.Thread):
             self.syncer_session = h.session
             if h.kind not in ("welcome", "rehello"):
                 self._rehello()
+            if self._asking_peers.is_set():  # our ask went to no session: it was not read
+                self._send("peers")
         if h.kind == "ask":
             if h.meta.get("final"):  # the run's end: train no more, answer, wait for the stop
                 self.finishing.set()
