@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
-import sys
 import threading
 import time
 from pathlib import Path
@@ -119,12 +117,12 @@ def run(args: argparse.Namespace) -> int:
         logging.getLogger("ddiloco").error("%s; exiting", e)  # (the format names the learner)
         if threading.current_thread() is not threading.main_thread():
             raise  # hosted (a Ray actor's thread): the host ends the life, not its process
+        from ddiloco.cli import exit_service
+
         # the group cannot go on, and nothing is left to save: exit now, not through an
-        # interpreter shutdown that may wait on the broken group's threads
-        logging.shutdown()
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(1)
+        # interpreter teardown that may wait on the broken group's threads
+        exit_service(1)
+        return 1  # (not reached)
 
 
 def take_over(args: argparse.Namespace, setup: Any) -> bool:
@@ -132,6 +130,8 @@ def take_over(args: argparse.Namespace, setup: Any) -> bool:
     for the launcher's one line naming the slot to take over; False at end of input. The
     spare then starts as that slot's restart (``--join``: it copies a peer)."""
     import json
+    import os
+    import sys
 
     import torch
 

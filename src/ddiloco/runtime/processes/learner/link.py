@@ -420,9 +420,8 @@ class SyncerLink(threading.Thread):
             self.backoff.reset()
             if self.carry is not None:  # trained tokens first, then the answers they back
                 self._progress({**self.carry, "tokens": 0, "rebased": []})
-            for key, (meta, payload) in list(self.pending.items()):
-                if self.sent_to.get(key) != h.session:  # a restarted syncer lost them
-                    self._send_answer(meta, payload)
+            # a restarted syncer lost what was sent to its earlier life
+            self._resend([key for key in self.pending if self.sent_to.get(key) != h.session])
         elif h.kind == "rehello" or (h.kind == "beat" and not h.meta.get("live", True)):
             self._rehello()
         elif h.kind == "peers":
@@ -451,8 +450,12 @@ class SyncerLink(threading.Thread):
             self.wire.shm.close()
             self.wire.shm = None
             self.slots.clear()
-            for key in by_shm:
-                self._send_answer(*self.pending[key])
+            self._resend(by_shm)
+
+    def _resend(self, keys: list[Key]) -> None:
+        """Send pending answers again: the syncer never read them."""
+        for key in keys:
+            self._send_answer(*self.pending[key])
 
     def _fragment(self, p: int, meta: dict[str, Any], payload: memoryview) -> None:
         version = int(meta["version"])

@@ -186,8 +186,10 @@ class RankGroup:
 
     def agree(self, value: float) -> bool:
         """Whether every rank holds the same ``value`` (e.g. a parameter checksum)."""
-        if not self.active or self.failed is not None:
-            return not self.active
+        if not self.active:
+            return True
+        if self.failed is not None:  # a broken group cannot check
+            return False
         both = torch.tensor([value, -value], dtype=torch.float64, device=self.device)
         work = dist.all_reduce(both, op=dist.ReduceOp.MAX, async_op=True)
         self._wait("checksum all-reduce", [work])
