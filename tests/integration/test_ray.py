@@ -14,6 +14,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -373,4 +374,69 @@ def test_a_killed_syncer_actor_restarts_from_its_store_and_the_learners_find_it(
     assert len(merged) == len(set(merged))  # no merge doubled across the restart
     assert state["after"] >= 8 and summary["rounds"] >= 8, events  # learners found it again
     ledger = {k: v for k, v in summary.items() if "ledger" in k or k.startswith("tokens")}
+    assert summary["ledger_balanced"] and summary["ledger_errors"] == 0, ledger
+
+
+def test_link_faults_on_ray_go_through_a_proxy_actor_that_outlives_its_own_crash(tmp_path, cluster):
+    """A fault proxy actor next to the syncer: wire faults are caught, a plan's link cut holds
+    learner 1's traffic, and a crash of the proxy's actor mid-cut is restarted by Ray with
+    what is left of the cut replayed; the learners dial the restarted proxy again."""
+    cut_seconds = 8.0
+    config = on_cluster(
+        cluster,
+        [
+            *SMALL,
+            "train.tokens=10000000",
+            "processes.max_wall_seconds=200",
+            "processes.proxy='duplicate=0.05,corrupt=0.03'",
+        ],
+    )
+    state: dict[str, Any] = {"rounds": 0, "after": {0: 0, 1: 0}}
+
+    def merged_from(r: dict[str, Any], m: int) -> bool:
+        return r["kind"] == "round" and bool(r["weights"].get(str(m)))
+
+    def hook(launcher: RayLauncher, r: dict[str, Any]) -> None:
+        state["rounds"] += r["kind"] == "round"
+        if "cut" not in state and state["rounds"] >= 3 and merged_from(r, 1):
+            state["cut"] = launcher.now()
+            launcher.play(ChaosEvent(state["cut"], "link_cut", 1, duration=cut_seconds))
+        elif "cut" in state and "crash" not in state and launcher.now() > state["cut"] + 1.0:
+            state["crash"] = launcher.now()  # a crash, not a stop we asked for: Ray restarts it
+            state["pid"] = launcher.procs["proxy"].pid
+            ray.kill(launcher.actors["proxy"], no_restart=False)
+        if r["kind"] == "started" and r["process"] == "proxy" and "crash" in state:
+            state["back"] = launcher.now()  # the restarted proxy is placed
+        if "back" in state and launcher.now() > state["cut"] + cut_seconds:
+            for m in (0, 1):  # both learners merged again, through the restarted proxy
+                state["after"][m] += merged_from(r, m)
+            if min(state["after"].values()) >= 2 and not launcher.stop_requested:
+                launcher.request_stop()
+
+    rs: list[dict[str, Any]] = []
+    summary = RayLauncher(config, "decoupled", tmp_path / "run", rs.append, hooks=[hook]).run()
+    events = [r for r in rs if r["kind"] not in ("step", "round", "eval")]  # (for a failure)
+    start, end = state["cut"], state["cut"] + cut_seconds
+    (chaos,) = [r for r in rs if r["kind"] == "chaos"]
+    assert chaos["event"] == "link_cut" and "skipped" not in chaos, chaos
+    # the proxy is placed as the syncer is (the node with ray.syncer_resource), both lives
+    starts = {p: [r for r in rs if r["kind"] == "started" and r["process"] == p]
+              for p in ("syncer", "proxy")}  # fmt: skip
+    assert len(starts["proxy"]) == 2, events
+    assert {r["node"] for r in starts["proxy"]} == {starts["syncer"][0]["node"]}
+    assert starts["proxy"][1]["pid"] != state["pid"]  # Ray's new worker for it
+    # learner 1 was cut off: detected mid-cut, not merged from then until the cut ended (the
+    # restarted proxy was sent what was left of it), merged again after
+    detected = [r["t"] for r in rs if r["kind"] == "detected" and r["learner"] == 1]
+    assert detected and start < detected[0] < end, events
+    assert not [r for r in rs if merged_from(r, 1) and detected[0] <= r["t"] < end]
+    assert min(state["after"].values()) >= 2, state  # both found the restarted proxy
+    # the wire faults were played and caught (damaged frames refused, duplicates as replays)
+    refused = Counter(summary["refused"]) + Counter(summary["refused_by_learners"])
+    assert refused["replay"] > 0 and refused["checksum"] > 0, refused
+    assert summary["proxy"].get("messages", 0) > 0  # the restarted proxy's counts came back
+    merged = [(r["fragment"], r["version"]) for r in rs if r["kind"] == "round"]
+    assert len(merged) == len(set(merged))
+    ledger = {k: v for k, v in summary.items() if "ledger" in k or k.startswith("tokens")}
+    ledger["contradictions"] = summary.get("ledger_contradictions")
     assert summary["ledger_balanced"] and summary["ledger_errors"] == 0, ledger

@@ -25,6 +25,8 @@ FIELDS = [
     "tokens",
     "secs",
     "rebased",
+    "total",
+    "rebases",
     "learner",
     "incarnation",
     "seq",

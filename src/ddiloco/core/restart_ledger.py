@@ -51,6 +51,7 @@ class RestartLedger:
     def __init__(self, num_fragments: int, *, carry: bool = False) -> None:
         self.book = TokenLedger(num_fragments, carry=carry)
         self.errors = 0
+        self.late_answers = 0  # answers overtaken by a later rebase or answer (see answered)
         self.contradictions: list[str] = []  # the first errors, named (the summary's)
         self.lives: dict[int, int] = {}  # learner -> incarnation the ledger's state is of
         self.floor: dict[tuple[int, int], int] = {}  # base version of the last counted rebase
@@ -132,13 +133,23 @@ class RestartLedger:
         self._guard(self.book.trained, learner, tokens)
 
     def answered(
-        self, learner: int, fragment: int, key: object, c_tokens: int, base: int | None = None
+        self,
+        learner: int,
+        fragment: int,
+        key: object,
+        c_tokens: int,
+        base: int | None = None,
+        overtaken: bool = False,
     ) -> int:
         """Record an answer on ``base`` (its base version, if known); always returns 0.
 
         For a life restored from a snapshot: the answer open in it, re-pushed, is the same
         answer (nothing recorded); one sent before a rebase or a later answer the ledger
         counted carries no new tokens; tokens beyond what the ledger saw count as trained.
+        A late answer (a frame that arrived after a later one: ``overtaken`` by a rebase of
+        its fragment the ledger counted, or below an answer on the same base) carries no new
+        tokens either: they were counted with the rebase, or the later answer
+        (:attr:`late_answers` counts them).
         """
         if learner in self.spans_restart and 0 <= fragment < self.num_fragments:
             if key in self.restored_open and self.is_open(key):
@@ -158,6 +169,12 @@ class RestartLedger:
                 if learner in self.gap_check:
                     self._early[learner] = self._early.get(learner, 0) + c_tokens - since
                 self.trained(learner, c_tokens - since)
+        if 0 <= fragment < self.num_fragments and learner in self.lives:
+            reserved = self.counters(learner, fragment)[1]
+            if overtaken or c_tokens < reserved:
+                self.late_answers += 1
+                self._guard(self.book.answered, learner, fragment, key, reserved)
+                return 0
         self._guard(self.book.answered, learner, fragment, key, c_tokens)
         return 0
 

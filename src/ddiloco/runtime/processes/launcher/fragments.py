@@ -149,19 +149,20 @@ class Launcher(Supervisor):
         config = self.config
         host, port = parse_address(config.processes.bind, "processes.bind")
         self.address = f"{host}:{port or free_port(host)}"
-        faults = faults_of(config)
-        self.learner_address = f"{host}:{free_port(host)}" if faults else self.address
-        self.links = (
-            None
-            if faults is None
-            else LinkFaults(
-                config,
-                self.learner_address,
-                self.address,
-                self.run_id,
-                lambda args: self._spawn(PROXY, args, control=True),
-                lambda: self.procs.get(PROXY),
-            )
+        proxied = faults_of(config) is not None
+        self.learner_address = f"{host}:{free_port(host)}" if proxied else self.address
+        self.links = self.link_faults(self.learner_address, self.address) if proxied else None
+
+    def link_faults(self, listen: str, target: str) -> LinkFaults:
+        """The driver of a fault proxy listening on ``listen`` in front of the syncer at
+        ``target``, started, restarted and stopped as our child ``proxy``."""
+        return LinkFaults(
+            self.config,
+            listen,
+            target,
+            self.run_id,
+            lambda args: self._spawn(PROXY, args, control=True),
+            lambda: self.procs.get(PROXY),
         )
 
     def learner_gpus(self) -> dict[int, str]:

@@ -150,6 +150,10 @@ class SyncerLink(threading.Thread):
         self.reconnects = 0
         self.next_hello = 0.0
         self.carry: dict[str, Any] | None = None  # progress not yet delivered
+        # this life's running totals (tokens reported, rebases per fragment), stamped on every
+        # report and answer: the syncer counts a lost report from the next message
+        self.total_tokens = 0
+        self.rebases = [0] * len(shapes)
         self.bytes_sent = 0
         self.bytes_received = 0
         self.ctx: zmq.Context[Socket] = zmq.Context.instance()
@@ -343,7 +347,12 @@ class SyncerLink(threading.Thread):
 
     def _progress(self, meta: dict[str, Any]) -> None:
         """Send a progress report; while unregistered (or unsent), fold it into the next one,
-        so the syncer's ledger sees every trained token and rebase, in order."""
+        so the syncer's ledger sees every trained token and rebase, in order. It carries the
+        life's running totals too (one sent and lost on the way is counted from the next)."""
+        self.total_tokens += meta["tokens"]
+        for p in set(meta["rebased"]):
+            self.rebases[p] += 1
+        meta = {**meta, **self._totals()}
         if self.carry is not None:
             meta = {
                 **meta,
@@ -354,8 +363,11 @@ class SyncerLink(threading.Thread):
         if not (self.state is LinkState.LIVE and self._send("progress", meta=meta) is not None):
             self.carry = meta
 
+    def _totals(self) -> dict[str, Any]:
+        return {"total": self.total_tokens, "rebases": list(self.rebases)}
+
     def _answer(self, answer: Answer) -> None:
-        meta = dataclasses.asdict(answer.meta)
+        meta = {**dataclasses.asdict(answer.meta), **self._totals()}
         payload = encode_tensors(answer.delta, self.codec)
         self.pending[answer.meta.key] = (meta, payload)
         while len(self.pending) > self.max_pending:

@@ -4,7 +4,8 @@ The actor runs the same command line the local launcher would spawn, in its own 
 process, so the syncer and learner code is the processes runtime's, unchanged. What a Ray
 host changes is rewritten in the command before it runs (:func:`placed_argv`): the config
 travels as text (the driver's file is not on this node), ``NODE`` in an address is this
-node's IP, ``--syncer ray:NAME`` is the address the named syncer actor bound, and a learner
+node's IP, ``ray:NAME`` (a learner's ``--syncer``, the proxy's ``--target``) is the address
+the named service actor bound (the syncer's, or the fault proxy's in front of it), and a learner
 whose actor Ray restarted after a death (``was_current_actor_reconstructed``) takes the join
 path, copying a peer, even if the call that restarts it did not say so.
 
@@ -17,6 +18,7 @@ environment, through Ray's own channels: a Ray cluster is one trust domain (docs
 
 from __future__ import annotations
 
+import importlib
 import os
 import signal
 import sys
@@ -31,7 +33,8 @@ from typing import Any
 import ray
 
 NODE = "NODE"  # in an address: this node's IP, filled in on the node
-RAY_SYNCER = "ray:"  # --syncer ray:NAME: the named syncer actor's address
+RAY_ACTOR = "ray:"  # ray:NAME: the address the named service actor bound
+LISTEN_FLAGS = ("--bind", "--listen")  # a syncer's, a proxy's own address
 OUT, ERR = "out", "err"
 MAX_LINES = 100_000  # kept while nobody drains (a driver gone): the oldest are dropped
 
@@ -81,7 +84,8 @@ class Inbox:
             self._cond.notify_all()
             return self._waiting > 0
 
-    def readline(self) -> str:
+    def readline(self, size: int = -1) -> str:
+        """The next line (``size`` is not honoured: the driver writes whole lines)."""
         with self._cond:
             self._waiting += 1
             while not self._closed and "\n" not in "".join(self._text):
@@ -94,6 +98,20 @@ class Inbox:
 
     def isatty(self) -> bool:
         return False
+
+    @property
+    def buffer(self) -> InboxBytes:
+        return InboxBytes(self)  # (the fault proxy reads its commands as bytes)
+
+
+class InboxBytes:
+    """``sys.stdin.buffer`` of an :class:`Inbox`: its lines as bytes."""
+
+    def __init__(self, inbox: Inbox) -> None:
+        self.inbox = inbox
+
+    def readline(self, size: int = -1) -> bytes:
+        return self.inbox.readline(size).encode()
 
 
 class Relay:
@@ -132,9 +150,9 @@ def placed_argv(
         value = out[i + 1]
         if arg == "--config":
             out[i + 1] = str(config_file)
-        elif arg in ("--bind", "--peer-host") and value.startswith(NODE):
+        elif arg in (*LISTEN_FLAGS, "--peer-host") and value.startswith(NODE):
             out[i + 1] = ip + value[len(NODE) :]
-        elif arg == "--syncer" and value.startswith(RAY_SYNCER):
+        elif arg in ("--syncer", "--target") and value.startswith(RAY_ACTOR):
             if syncer is None:
                 raise RuntimeError(f"no address for {value}")
             out[i + 1] = syncer
@@ -158,7 +176,7 @@ class ServiceHost:
         sys.stderr = Relay(self.lines, ERR, tee=sys.__stderr__)
         self.inbox = Inbox()
         sys.stdin = self.inbox  # a spare's order comes here
-        self.address: str | None = None  # a syncer's, once its command is placed
+        self.address: str | None = None  # a syncer's or proxy's, once its command is placed
         self.runs = 0
         # warm: Ray starts a restarted actor's process at once, so the imports (torch: seconds)
         # are done by the time the launcher's restart call comes
@@ -181,14 +199,15 @@ class ServiceHost:
         }
 
     def bound(self, timeout: float) -> str | None:
-        """A syncer's address once its command is placed (learners dial it)."""
+        """A syncer's (or proxy's) address once its command is placed (learners dial it)."""
         deadline = time.monotonic() + timeout
         while self.address is None and time.monotonic() < deadline:
             time.sleep(0.05)
         return self.address
 
     def run(self, argv: list[str], config_text: str, env: dict[str, str], namespace: str) -> int:
-        """Run one ddiloco command to its end; its exit code (a crash kills the actor)."""
+        """Run one ddiloco command (or ``-m MODULE ...``: that module's ``main``, as the
+        fault proxy is run) to its end; its exit code (a crash kills the actor)."""
         from ddiloco.cli import main
         from ddiloco.runtime.processes import terminate
 
@@ -197,13 +216,16 @@ class ServiceHost:
         config_file = home / "config.toml"
         config_file.write_text(config_text, encoding="utf-8")
         syncer = None
-        target = next((a for a in argv if a.startswith(RAY_SYNCER)), None)
+        target = next((a for a in argv if a.startswith(RAY_ACTOR)), None)
         if target is not None:
-            syncer = syncer_address(target[len(RAY_SYNCER) :], namespace)
+            syncer = bound_address(target[len(RAY_ACTOR) :], namespace)
         rejoin = self.reconstructed and self.runs == 0
         placed = placed_argv(argv, ray.util.get_node_ip_address(), config_file, syncer, rejoin)
-        if placed[0] == "syncer":
-            self.address = placed[placed.index("--bind") + 1]
+        if placed[0] == "-m":
+            main, placed = importlib.import_module(placed[1]).main, placed[2:]
+        listen = [placed[i + 1] for i, a in enumerate(placed[:-1]) if a in LISTEN_FLAGS]
+        if listen:
+            self.address = listen[0]
         self.runs += 1
         try:
             return int(main(placed))
@@ -242,12 +264,13 @@ class ServiceHost:
         return int(self.inbox.close()) + terminate.terminate()
 
 
-def syncer_address(name: str, namespace: str, timeout: float = 60.0) -> str:
-    """The address the named syncer actor bound (learners find the syncer by name)."""
+def bound_address(name: str, namespace: str, timeout: float = 60.0) -> str:
+    """The address the named service actor bound (learners find the syncer, or the fault
+    proxy in front of it, by name)."""
     actor = ray.get_actor(name, namespace=namespace)
     address: str | None = ray.get(actor.bound.remote(timeout), timeout=timeout + 10.0)
     if address is None:
-        raise RuntimeError(f"the syncer actor {name!r} bound no address in {timeout:.0f} s")
+        raise RuntimeError(f"the actor {name!r} bound no address in {timeout:.0f} s")
     return str(address)
 
 

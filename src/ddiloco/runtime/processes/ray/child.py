@@ -37,8 +37,9 @@ ORDER_SECONDS = 10.0  # for the actor to take a spare's order
 
 class ActorStdin:
     """A life's stdin, as a pipe's writing end: what is written reaches the hosted service's
-    stdin (:meth:`~.actor.ServiceHost.order`) when it is closed. Raises :class:`OSError`
-    if the actor cannot take it (dead), as a pipe whose reader died."""
+    stdin (:meth:`~.actor.ServiceHost.order`) when it is flushed or closed (a spare's one
+    order, the fault proxy's link commands). Raises :class:`OSError` if the actor cannot
+    take it (dead), as a pipe whose reader died."""
 
     def __init__(self, actor: Any) -> None:
         self.actor = actor
@@ -48,12 +49,17 @@ class ActorStdin:
         self._text.append(text)
         return len(text)
 
-    def close(self) -> None:
+    def flush(self) -> None:
         text, self._text = "".join(self._text), []
+        if not text:
+            return
         try:
             ray.get(self.actor.order.remote(text), timeout=ORDER_SECONDS)
         except RayError as exc:
             raise OSError(f"the actor took no input: {type(exc).__name__}") from exc
+
+    def close(self) -> None:
+        self.flush()
 
 
 class ActorChild:

@@ -27,8 +27,11 @@ with ``max_restarts=-1``, so a learner's death costs only that learner.
 - ``node_loss`` takes down the learner's node (its raylet, and with it every worker there);
   the learner is placed again where there is room. Not on the head, the syncer's or the
   driver's node (recorded as skipped: that would end the run).
-- Not yet: link faults and wire faults (``processes.proxy``). A plan's link faults are
-  recorded as skipped.
+- Link faults (``link_cut``/``link_slow``) and wire faults (``processes.proxy``) are played
+  by the fault proxy, as on one host: it is an actor placed as the syncer is (on the node
+  carrying ``ray.syncer_resource``), found by learners by its name; its link commands reach
+  its stdin through :meth:`~.actor.ServiceHost.order`. It listens on the port after
+  ``processes.bind``'s (a free one when that names none).
 """
 
 from __future__ import annotations
@@ -46,14 +49,12 @@ from ray.util.scheduling_strategies import (
 )
 
 from ddiloco.chaos.plan import ChaosEvent, chaos_record
-from ddiloco.config import RunConfig
-from ddiloco.errors import ConfigError
 from ddiloco.runtime.processes.launcher.devices import gpus_each
 from ddiloco.runtime.processes.launcher.fragments import SYNCER, Launcher, free_port
-from ddiloco.runtime.processes.launcher.link_faults import LINK_KINDS
+from ddiloco.runtime.processes.launcher.link_faults import PROXY, faults_of
 from ddiloco.runtime.processes.ray.actor import (
     NODE,
-    RAY_SYNCER,
+    RAY_ACTOR,
     SIGNALS,
     ServiceActor,
     lose_node,
@@ -64,7 +65,6 @@ from ddiloco.runtime.processes.ray.cluster import LOCAL_IP, Cluster
 from ddiloco.runtime.processes.ray.ranks import RankLives, rank_group
 from ddiloco.runtime.processes.transport.sockets import SECRET_ENV, parse_address
 
-NOT_ON_RAY = "not played by the Ray runtime yet (its links do not cross a fault proxy)"
 SIGNAL_SECONDS = 10.0  # a signal's task or a clean stop's call, at most
 
 
@@ -72,13 +72,6 @@ class RayLauncher(Launcher):
     """A fragment method's run on a Ray cluster (see the module)."""
 
     RUNTIME = "ray"
-
-    @staticmethod
-    def refuse(config: RunConfig, method: str) -> None:
-        Launcher.refuse(config, method)
-        if config.processes.proxy:
-            why = "the fault-injecting proxy is not placed on Ray yet: run --runtime processes"
-            raise ConfigError("processes.proxy", config.processes.proxy, why)
 
     def connect(self) -> None:
         config = self.config
@@ -90,8 +83,12 @@ class RayLauncher(Launcher):
         # on another host: a multi-host cluster names one in processes.bind
         self.host = config.ray.service_host or (LOCAL_IP if self.cluster.local else NODE)
         self.address = f"{self.host}:{port or free_port(LOCAL_IP)}"
-        self.learner_address = f"{RAY_SYNCER}{self.actor_name(SYNCER)}"
-        self.links = None
+        syncer = f"{RAY_ACTOR}{self.actor_name(SYNCER)}"
+        self.learner_address, self.links = syncer, None
+        if faults_of(config) is not None:  # learners dial the proxy, it dials the syncer
+            listen = f"{self.host}:{port + 1 if port else free_port(LOCAL_IP)}"
+            self.learner_address = f"{RAY_ACTOR}{self.actor_name(PROXY)}"
+            self.links = self.link_faults(listen, syncer)
         self.actors: dict[str, Any] = {}
         self.groups: dict[str, tuple[Any, list[Any]]] = {}  # a ranked slot's group, actors
         self._config_text: str | None = None
@@ -179,8 +176,8 @@ class RayLauncher(Launcher):
             "max_restarts": -1,
             "max_task_retries": 0,
         }
-        if name == SYNCER:
-            options["num_cpus"] = ray_config.syncer_cpus
+        if name in (SYNCER, PROXY):  # the proxy is placed as the syncer is: on its node
+            options["num_cpus"] = ray_config.syncer_cpus if name == SYNCER else 0
             if ray_config.syncer_resource:
                 options["resources"] = {ray_config.syncer_resource: 0.01}
         else:
@@ -284,9 +281,6 @@ class RayLauncher(Launcher):
 
     # -- chaos ------------------------------------------------------------------------------
     def play(self, event: ChaosEvent) -> None:
-        if event.kind in LINK_KINDS:
-            self.emit({**chaos_record(event, self.now()), "skipped": NOT_ON_RAY})
-            return
         if event.kind == "node_loss":
             self.emit({**chaos_record(event, self.now()), **self.lose_node(event.learner)})
             return
@@ -297,8 +291,9 @@ class RayLauncher(Launcher):
         (:func:`~.actor.lose_this_node`). Not a stop the launcher asked for: the learners on
         it die as on a real node failure, and the restart policy and Ray place them again
         where there is room (``duration`` is not played: no node comes back by itself).
-        Refused (a ``skipped`` reason) on the head node, the syncer's and this driver's: losing
-        one of those would end the run, not test it. Returns what the record adds."""
+        Refused (a ``skipped`` reason) on the head node, the syncer's, the fault proxy's and
+        this driver's: losing one of those would end the run, not test it. Returns what the
+        record adds."""
         name = f"learner-{m}"
         child = self.procs.get(name)
         if not isinstance(child, ActorChild | RankLives) or child.poll() is not None:
@@ -307,15 +302,16 @@ class RayLauncher(Launcher):
         if not placed:
             return {"skipped": f"{name} is not placed on a node yet"}
         node = str(placed[0]["node"])
-        syncer = self.procs.get(SYNCER)
         kept = {ray.get_runtime_context().get_node_id(): "this driver's"}
         kept |= {
             n["NodeID"]: "the head"
             for n in ray.nodes()
             if n.get("Alive") and "node:__internal_head__" in n.get("Resources", {})
         }
-        if isinstance(syncer, ActorChild) and syncer.where is not None:
-            kept[str(syncer.where["node"])] = "the syncer's"
+        for service in (PROXY, SYNCER):
+            host = self.procs.get(service)
+            if isinstance(host, ActorChild) and host.where is not None:
+                kept[str(host.where["node"])] = f"the {service}'s"
         if node in kept:
             why = f"{name} runs on {kept[node]} node ({node[:12]}): losing it would end the run"
             return {"skipped": why}

@@ -19,6 +19,7 @@ from ddiloco.errors import ConfigError
 MAX_COUNT = (1 << 62) - 1  # steps, tokens, versions, ids: far beyond any run, inside int64
 MAX_SECONDS = 1e6
 MAX_TEXT = 256
+Totals = tuple[int, list[int]]  # tokens, rebases per fragment (syncer/totals.py)
 
 
 def count(meta: dict[str, Any], key: str, low: int = 0, high: int = MAX_COUNT) -> int:
@@ -72,6 +73,7 @@ class Progress:
     tokens: int
     seconds: float  # the last step's duration
     rebased: list[int]  # fragments applied since the last report
+    totals: Totals | None  # the life's running totals (syncer/totals.py), if it sends them
 
 
 def hello(meta: dict[str, Any], fragments: int) -> Hello:
@@ -91,7 +93,16 @@ def progress(meta: dict[str, Any], fragments: int) -> Progress:
         count(meta, "tokens"),
         seconds(meta, "secs"),
         sorted(set(rebased)),
+        totals(meta, fragments),
     )
+
+
+def totals(meta: dict[str, Any], fragments: int) -> Totals | None:
+    """A progress report's or answer's running totals: tokens reported since the life
+    started, rebases per fragment (None when it carries neither)."""
+    if "total" not in meta and "rebases" not in meta:
+        return None
+    return count(meta, "total"), counts(meta, "rebases", fragments)
 
 
 def answer(meta: dict[str, Any], fragments: int) -> AnswerMeta:

@@ -60,6 +60,7 @@ from ddiloco.runtime.processes.syncer.store import (
     record_of,
 )
 from ddiloco.runtime.processes.syncer.summary import service_summary
+from ddiloco.runtime.processes.syncer.totals import RunningTotals
 from ddiloco.runtime.processes.transport.events import Events
 from ddiloco.runtime.processes.transport.ratelog import Throttle
 from ddiloco.runtime.processes.transport.wire import (
@@ -138,6 +139,7 @@ class SyncerService:
         self.tokens_per_step = setup.tokens_per_step * self.config.processes.ranks
         self.budget = StepBudget()
         self.budget_incarnations: dict[int, int] = {}  # learner -> the life its budget is of
+        self.totals = RunningTotals(self.plan.num_fragments)  # a lost report costs nothing
         self.ledger.max_missed = int(
             self.tokens_per_step * self.budget.bootstrap_rate * self.budget.horizon
         )
@@ -289,6 +291,7 @@ class SyncerService:
             self.send(m, "refused", meta={"why": why})
             return
         now = self.events.now()
+        self.totals.start(m, inc, from_zero=self.ledger.lives.get(m) != inc)
         self.ledger.joined(m, inc, step, versions)  # a new life: what the old one held is lost
         self.account_uptime(now)
         self.attendance.back(m, restarted=self.incarnations.get(m, inc) != inc)
@@ -335,21 +338,28 @@ class SyncerService:
         if self.incarnations.get(m) != report.incarnation:
             self.send(m, "rehello")
             return
-        now = self.events.now()
-        steps, tokens = self.budget.credit(m, report.step, report.tokens, self.tokens_per_step, now)
-        step = self.budget.step_of(m) or 0  # the credited step, not the claim
-        if step < report.step or tokens < report.tokens:
-            self.counts["progress_capped"] += 1  # claimed more than it may be credited
-        self.tokens += self.ledger.reported(
-            m, step, tokens, report.rebased, self.syncer.versions, steps
-        )
+        inc = report.incarnation
+        added = self.totals.reported(m, inc, report.totals, report.tokens, report.rebased)
+        steps, step = self.count_progress(m, report.step, *added)
         if m not in self.syncer.policy.progress:  # a life we gave up (silent: frozen, cut
             self.send(m, "rehello")  # off) trained these all the same: counted (its answers
             return  # claim them); it says hello to be waited for again
         if not steps:
             return
-        for rnd in self.syncer.on_progress(m, step, now, report.seconds):
+        for rnd in self.syncer.on_progress(m, step, self.events.now(), report.seconds):
             self.ask(rnd, rnd.asked)
+
+    def count_progress(self, m: int, step: int, tokens: int, rebased: list[int]) -> tuple[int, int]:
+        """Credit (core/credit.py) and count in the ledger learner ``m``'s progress to
+        ``step``: ``tokens`` trained, ``rebased`` fragments applied first; returns (steps
+        credited, the credited step)."""
+        now = self.events.now()
+        steps, credited = self.budget.credit(m, step, tokens, self.tokens_per_step, now)
+        at = self.budget.step_of(m) or 0  # the credited step, not the claim
+        if at < step or credited < tokens:
+            self.counts["progress_capped"] += 1  # claimed more than it may be credited
+        self.tokens += self.ledger.reported(m, at, credited, rebased, self.syncer.versions, steps)
+        return steps, at
 
     def on_answer(self, m: int, meta: dict[str, Any], payload: memoryview) -> None:
         answer = messages.answer(meta, self.plan.num_fragments)
@@ -357,6 +367,12 @@ class SyncerService:
             self.send(m, "rehello")  # from a life this syncer has not registered: re-push later
             return
         answer.validate(self.plan.num_fragments)
+        totals = messages.totals(meta, self.plan.num_fragments)
+        overtaken = self.totals.overtaken(m, answer.incarnation, totals, answer.fragment)
+        caught_up = self.totals.caught_up(m, answer.incarnation, totals)
+        if caught_up[0] or caught_up[1]:  # reports it was sent after never came: count them
+            self.counts["progress_caught_up"] += 1
+            self.count_progress(m, answer.local_step, *caught_up)
         if self.restored and answer.round_id >= self.syncer.policy.next_round_id[answer.fragment]:
             # re-pushed for a round the previous life opened but never made durable: the
             # answer itself is sound, so it joins the fragment's current or next round
@@ -372,7 +388,7 @@ class SyncerService:
         if answer.key not in self.syncer.policy.seen:  # a re-push is not new work
             before = self.ledger.trained_tokens  # (re-reported tokens a restart missed)
             self.ledger.answered(
-                m, answer.fragment, answer.key, answer.c_tokens, answer.base_version
+                m, answer.fragment, answer.key, answer.c_tokens, answer.base_version, overtaken
             )
             self.tokens += self.ledger.trained_tokens - before
         verdict = self.syncer.on_answer(answer, delta, self.events.now())

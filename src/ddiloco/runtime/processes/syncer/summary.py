@@ -39,6 +39,7 @@ def service_summary(svc: SyncerService, final: float, now: float) -> dict[str, A
         "ledger_errors": svc.ledger.errors,
         "ledger_contradictions": svc.ledger.contradictions,
         "ledger_restart": dict(svc.ledger.restart),
+        "ledger_late_answers": svc.ledger.late_answers,
         "goodput": fragment_goodput(svc.tokens, wasted, lost_capacity),
         "uptime": svc.attendance.uptime.share(now),
         "learner_uptime": svc.attendance.learner_uptime(now, svc.config.train.learners),

@@ -32,7 +32,6 @@ import logging
 import math
 import queue
 import random
-import signal
 import sys
 import threading
 import time
@@ -45,6 +44,7 @@ import zmq
 from ddiloco.config import NetworkConfig
 from ddiloco.core.links import Links
 from ddiloco.errors import ConfigError, require
+from ddiloco.runtime.processes import terminate
 from ddiloco.runtime.processes.transport.auth import Gatekeeper, learner_of, present, serve_plain
 from ddiloco.runtime.processes.transport.events import EVENT_PREFIX
 from ddiloco.runtime.processes.transport.sockets import Socket, load_secret
@@ -443,7 +443,7 @@ def main(argv: list[str] | None = None) -> int:
         run=args.run_id,
         secret=load_secret(None),
     )
-    signal.signal(signal.SIGTERM, lambda *_: proxy.stop.set())
+    terminate.on_terminate(proxy.stop.set)  # (SIGTERM; on Ray, its actor's stop call)
     if args.control:
         threading.Thread(target=proxy.read_commands, args=(sys.stdin.buffer,), daemon=True).start()
     print(EVENT_PREFIX + json.dumps({"kind": "proxy_up", "t": 0.0}), flush=True)
