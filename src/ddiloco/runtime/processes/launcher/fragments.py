@@ -353,6 +353,8 @@ class Launcher(Supervisor):
             self.request_stop()
         elif kind == "proxy" and self.links is not None:
             self.links.counts = record["counts"]
+        elif kind == "proxy_up" and self.links is not None:
+            self.links.up()  # what is left of each link fault, to a restarted proxy
         elif kind == "learner_done":
             self.learner_done[int(record["learner"])] = record
         self.spares.heard(name, record)

@@ -3,9 +3,11 @@
 A run gets a proxy when ``processes.proxy`` names wire faults or the chaos plan has link
 faults (then one that plays only those). The learners dial the proxy's address, the proxy
 dials the syncer. Link faults (``link_cut``, ``link_slow``) are JSON commands on the proxy's
-stdin, a pipe from the launcher; a restarted proxy is sent again what is left of each one, so
-a fault outlives the proxy's own crash. Behind a proxy, payloads must cross it: no shared
-memory (the launcher turns it off).
+stdin, a pipe from the launcher; a restarted proxy is sent again what is left of each one
+once it is up (its ``proxy_up``: a restart can take seconds, on Ray an actor's), so a fault
+outlives the proxy's own crash and ends when it would have. A fault played while the proxy
+is starting is sent once it is up. Behind a proxy, payloads must cross it: no shared memory
+(the launcher turns it off).
 """
 
 from __future__ import annotations
@@ -62,10 +64,11 @@ class LinkFaults:
         self.spawn = spawn
         self.proc = proc
         self.commands: list[tuple[float, dict[str, Any]]] = []  # (monotonic end, command)
+        self.live = False  # the proxy's current life is up (said proxy_up): it hears commands
         self.counts: dict[str, int] = {}  # the proxy's last report
 
     def start(self) -> None:
-        """Start (or restart) the proxy, and send it what is left of every link fault."""
+        """Start (or restart) the proxy (:meth:`up` replays the link faults)."""
         cmd = [
             "-m",
             "ddiloco.runtime.processes.transport.proxy",
@@ -76,7 +79,12 @@ class LinkFaults:
         old = self.proc()
         if old is not None and old.poll() is not None and old.stdin is not None:
             old.stdin.close()
+        self.live = False
         self.spawn(cmd)
+
+    def up(self) -> None:
+        """The proxy is up (its ``proxy_up``): send it what is left of every link fault."""
+        self.live = True
         now = time.monotonic()
         for end, command in self.commands:
             if end > now:
@@ -109,7 +117,8 @@ class LinkFaults:
             command = {"link": m, "factor": event.factor, "seconds": event.duration}
             end = now + event.duration if event.duration > 0 else math.inf
         self.commands.append((end, command))
-        self.send(command)  # if the proxy is down, its restart replays what is left
+        if self.live:  # else (starting, restarting) sent when it is up, what is left of it
+            self.send(command)
 
     def close(self) -> None:
         """Close the control pipe (the proxy then reports its counts and exits)."""

@@ -168,7 +168,7 @@ class ServiceHost:
     """Hosts one service's life at a time (:meth:`run`); the other methods answer while it
     runs (the actor is threaded: drain, where, terminate). As an actor: :data:`ServiceActor`."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, warm: bool = True) -> None:
         self.name = name
         self.reconstructed = bool(ray.get_runtime_context().was_current_actor_reconstructed)
         self.lines = Lines()
@@ -178,8 +178,13 @@ class ServiceHost:
         sys.stdin = self.inbox  # a spare's order comes here
         self.address: str | None = None  # a syncer's or proxy's, once its command is placed
         self.runs = 0
-        # warm: Ray starts a restarted actor's process at once, so the imports (torch: seconds)
-        # are done by the time the launcher's restart call comes
+        if warm:  # (not the fault proxy's: it trains nothing, and comes back sooner without)
+            self._warm()
+
+    @staticmethod
+    def _warm() -> None:
+        """Ray starts a restarted actor's process at once, so the imports (torch: seconds)
+        are done by the time the launcher's restart call comes."""
         import torch
 
         import ddiloco.cli

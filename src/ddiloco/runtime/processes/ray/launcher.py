@@ -186,7 +186,7 @@ class RayLauncher(Launcher):
             options["num_gpus"] = gpus_each(self.config) / ranks
         if strategy is not None:
             options["scheduling_strategy"] = strategy
-        return ServiceActor.options(**options).remote(name)
+        return ServiceActor.options(**options).remote(name, warm=name != PROXY)
 
     def _rank_actors(self, name: str, old: RankLives | None) -> list[Any]:
         """Slot ``name``'s rank actors, each in its bundle of the slot's placement group
