@@ -10,6 +10,7 @@ import struct
 import subprocess
 import sys
 import time
+from typing import Any
 
 import torch
 import zmq
@@ -312,9 +313,16 @@ def test_a_learner_refused_or_without_a_syncer_stops_at_once_naming_the_cause(tm
 
 def drive(learners, shapes, steps: range, delta_of) -> dict[int, list]:
     """The insiders report ``steps`` and answer every ask with ``delta_of(m, fragment)``;
-    learner 1 claims 10^12 tokens in every report and answer. Returns the last value of each
+    learner 1 claims 10^12 tokens in every report and answer, and running totals (syncer/
+    totals.py) far beyond them, as if reports had been lost. Returns the last value of each
     fragment broadcast to learner 0 (decoded)."""
     fragments: dict[int, list] = {}
+
+    def totals(m: int, step: int) -> dict[str, Any]:
+        if m == 1:
+            return {"total": 10**15 * step, "rebases": [step, step]}
+        return {"total": 256 * step, "rebases": [0, 0]}
+
     for step in steps:
         for m, learner in learners.items():
             tokens = 10**12 if m == 1 else 256
@@ -324,6 +332,7 @@ def drive(learners, shapes, steps: range, delta_of) -> dict[int, list]:
                 "tokens": tokens,
                 "secs": 0.01,
                 "rebased": [],
+                **totals(m, step),
             }
             learner.send("progress", meta=meta)
         time.sleep(0.05)
@@ -345,6 +354,7 @@ def drive(learners, shapes, steps: range, delta_of) -> dict[int, list]:
                     "local_step": step,
                     "c_steps": 2,
                     "c_tokens": 10**12 if m == 1 else 512,
+                    **totals(m, step + 1),  # (ahead of the last report: it was "lost")
                 }
                 payload = encode_tensors(delta_of(m, f), CodecSpec("fp32"))
                 learner.send(
