@@ -15,11 +15,11 @@ from typing import Any
 
 from ddiloco.core.rounds import UNSOLICITED, AnswerMeta
 from ddiloco.errors import ConfigError
+from ddiloco.runtime.processes.syncer.totals import Totals
 
 MAX_COUNT = (1 << 62) - 1  # steps, tokens, versions, ids: far beyond any run, inside int64
 MAX_SECONDS = 1e6
 MAX_TEXT = 256
-Totals = tuple[int, list[int]]  # tokens, rebases per fragment (syncer/totals.py)
 
 
 def count(meta: dict[str, Any], key: str, low: int = 0, high: int = MAX_COUNT) -> int:

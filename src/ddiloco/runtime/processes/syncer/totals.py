@@ -19,9 +19,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+Totals = tuple[int, list[int]]  # what a message carries: tokens, rebases per fragment
+
 
 @dataclass
-class Totals:
+class Counted:
+    """The last totals counted for one learner life."""
+
     incarnation: int
     tokens: int  # reported since the life started
     rebases: list[int]  # per fragment: rebases reported since the life started
@@ -32,7 +36,7 @@ class RunningTotals:
 
     def __init__(self, num_fragments: int) -> None:
         self.num_fragments = num_fragments
-        self.last: dict[int, Totals] = {}
+        self.last: dict[int, Counted] = {}
 
     def start(self, learner: int, incarnation: int, from_zero: bool) -> None:
         """A hello of ``incarnation``: a life counted from its start (``from_zero``) begins at
@@ -41,7 +45,7 @@ class RunningTotals:
         if last is not None and last.incarnation == incarnation:
             return
         if from_zero:
-            self.last[learner] = Totals(incarnation, 0, [0] * self.num_fragments)
+            self.last[learner] = Counted(incarnation, 0, [0] * self.num_fragments)
         else:
             self.last.pop(learner, None)
 
@@ -49,7 +53,7 @@ class RunningTotals:
         self,
         learner: int,
         incarnation: int,
-        totals: tuple[int, list[int]] | None,
+        totals: Totals | None,
         tokens: int,
         rebased: list[int],
     ) -> tuple[int, list[int]]:
@@ -60,12 +64,12 @@ class RunningTotals:
         if totals is None:
             return tokens, rebased
         if last is None or last.incarnation != incarnation:
-            self.last[learner] = Totals(incarnation, totals[0], list(totals[1]))
+            self.last[learner] = Counted(incarnation, totals[0], list(totals[1]))
             return tokens, rebased
         return self._add(last, totals)
 
     def caught_up(
-        self, learner: int, incarnation: int, totals: tuple[int, list[int]] | None
+        self, learner: int, incarnation: int, totals: Totals | None
     ) -> tuple[int, list[int]]:
         """(tokens, fragments rebased) an answer's totals hold beyond the last counted: the
         reports it was sent after that never arrived (nothing when the life's totals are
@@ -76,7 +80,7 @@ class RunningTotals:
         return self._add(last, totals)
 
     def overtaken(
-        self, learner: int, incarnation: int, totals: tuple[int, list[int]] | None, fragment: int
+        self, learner: int, incarnation: int, totals: Totals | None, fragment: int
     ) -> bool:
         """True for an answer sent before a rebase of its ``fragment`` already counted (it
         arrived late: its tokens were counted at that rebase)."""
@@ -86,7 +90,7 @@ class RunningTotals:
         return totals[1][fragment] < last.rebases[fragment]
 
     @staticmethod
-    def _add(last: Totals, totals: tuple[int, list[int]]) -> tuple[int, list[int]]:
+    def _add(last: Counted, totals: Totals) -> tuple[int, list[int]]:
         total, rebases = totals
         added = max(0, total - last.tokens)
         pairs = list(zip(rebases, last.rebases, strict=True))
