@@ -416,6 +416,26 @@ class RunConfig:
             self.sync.quorum,
             f"K must be <= train.learners ({self.train.learners})",
         )
+        self._check_ports(slots)
+
+    def _check_ports(self, slots: int) -> None:
+        """Fixed ports of one host must differ: learner slot m's peer port is
+        ``processes.peer_port + m``, next to the syncer's ``processes.bind`` port and, on Ray,
+        the fault proxy's (the bind port + 1, beside the syncer)."""
+        first, bind = self.processes.peer_port, self.processes.bind.rpartition(":")[2]
+        if not first or not bind.isdigit() or not int(bind):
+            return
+        taken = {"processes.bind's": int(bind)}
+        link_faults = any(e.kind in ("link_cut", "link_slow") for e in self.chaos)
+        if self.runtime == "ray" and (self.processes.proxy or link_faults):
+            taken["the fault proxy's (processes.bind's + 1)"] = int(bind) + 1
+        for name, port in taken.items():
+            require(
+                not first <= port < first + slots,
+                "processes.peer_port",
+                first,
+                f"learner slots' peer ports {first}..{first + slots - 1} include {name} {port}",
+            )
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> RunConfig:

@@ -101,3 +101,14 @@ def test_decoupled_applies_the_merged_delta_as_is_and_the_baselines_their_publis
     assert method_for(as_is, "diloco").sync.outer().momentum == 0.0
     with pytest.raises(ConfigError, match=r"sync\.mean_outer_momentum"):
         load_config(None, ["sync.mean_outer_momentum=1.0"])
+
+
+def test_fixed_peer_ports_that_take_the_syncers_or_the_proxys_port_are_refused():
+    bind = "processes.bind='127.0.0.1:6000'"
+    with pytest.raises(ConfigError, match=r"peer ports 5999\.\.6000 include processes.bind's 6000"):
+        load_config(None, [bind, "train.learners=2", "processes.peer_port=5999"])
+    ray = ["runtime='ray'", bind, "train.learners=2", "processes.peer_port=6001"]
+    with pytest.raises(ConfigError, match=r"the fault proxy's \(processes.bind's \+ 1\) 6001"):
+        load_config(None, [*ray, "processes.proxy='drop=0.01'"])
+    load_config(None, ray)  # no proxy on Ray, or not Ray: 6001 is free
+    load_config(None, [bind, "train.learners=2", "processes.peer_port=6001"])
