@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ddiloco.chaos.plan import ChaosEvent, ChaosGenerators
+from ddiloco.chaos.plan import LINK_KINDS, ChaosEvent, ChaosGenerators
 from ddiloco.core.codec import CodecSpec
 from ddiloco.core.grace import GraceConfig
 from ddiloco.core.learner_state import APPLY_RULES
@@ -418,6 +418,12 @@ class RunConfig:
         )
         self._check_ports(slots)
 
+    @property
+    def proxied(self) -> bool:
+        """A wall-clock run of this config puts the fault proxy between learners and syncer:
+        for ``processes.proxy``'s wire faults, or to play the plan's link faults."""
+        return bool(self.processes.proxy) or any(e.kind in LINK_KINDS for e in self.chaos)
+
     def _check_ports(self, slots: int) -> None:
         """Fixed ports of one host must differ: learner slot m's peer port is
         ``processes.peer_port + m``, next to the syncer's ``processes.bind`` port and, on Ray,
@@ -426,8 +432,7 @@ class RunConfig:
         if not first or not bind.isdigit() or not int(bind):
             return
         taken = {"processes.bind's": int(bind)}
-        link_faults = any(e.kind in ("link_cut", "link_slow") for e in self.chaos)
-        if self.runtime == "ray" and (self.processes.proxy or link_faults):
+        if self.runtime == "ray" and self.proxied:
             taken["the fault proxy's (processes.bind's + 1)"] = int(bind) + 1
         for name, port in taken.items():
             require(

@@ -30,6 +30,7 @@ CHAOS_KINDS = (
     "leave",
     "preempt",
 )
+LINK_KINDS = ("link_slow", "link_cut")  # played on a learner's link, not its process
 SECONDS_PER_HOUR = 3600.0
 
 

@@ -43,7 +43,7 @@ from typing import Any
 
 import torch
 
-from ddiloco.chaos.plan import ChaosEvent, chaos_record
+from ddiloco.chaos.plan import LINK_KINDS, ChaosEvent, chaos_record
 from ddiloco.config import RunConfig, to_toml
 from ddiloco.errors import FATAL_EXIT, ConfigError
 from ddiloco.methods import method_for
@@ -190,7 +190,7 @@ class DataParallelJob(Supervisor):
             ).start()
         elif event.kind in ("join", "leave"):
             record["skipped"] = FIXED_GROUP
-        elif event.kind in ("link_slow", "link_cut"):
+        elif event.kind in LINK_KINDS:
             record["skipped"] = NO_PROXY
         elif event.kind != "slow":
             record["skipped"] = "not played by the data-parallel job"

@@ -46,7 +46,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from ddiloco.chaos.plan import ChaosEvent, chaos_record
+from ddiloco.chaos.plan import LINK_KINDS, ChaosEvent, chaos_record
 from ddiloco.config import RunConfig, to_toml
 from ddiloco.errors import FATAL_EXIT as FATAL_EXIT  # re-exported: what a process exits with
 from ddiloco.errors import ConfigError
@@ -60,7 +60,6 @@ from ddiloco.runtime.processes.launcher.devices import (
     visible_gpus,
 )
 from ddiloco.runtime.processes.launcher.link_faults import (
-    LINK_KINDS,
     NO_PROXY,
     PROXY,
     LinkFaults,

@@ -24,7 +24,6 @@ from ddiloco.config import RunConfig
 from ddiloco.runtime.processes.transport.proxy import Faults
 
 PROXY = "proxy"  # the proxy's process name (logs/proxy.log)
-LINK_KINDS = ("link_slow", "link_cut")
 NO_PROXY = "no proxy: set processes.proxy, or put the link fault in the chaos plan"
 
 Spawn = Callable[[list[str]], None]
@@ -33,11 +32,9 @@ Spawn = Callable[[list[str]], None]
 def faults_of(config: RunConfig) -> Faults | None:
     """The proxy's wire faults: ``processes.proxy``'s, none for a plan with only link faults,
     or None when the run needs no proxy."""
-    if config.processes.proxy:
-        return Faults.parse(config.processes.proxy)
-    if any(e.kind in LINK_KINDS for e in config.chaos):
-        return Faults()
-    return None
+    if not config.proxied:
+        return None
+    return Faults.parse(config.processes.proxy)  # ("" : no wire faults, only link faults)
 
 
 class LinkFaults:
