@@ -9,6 +9,13 @@ twice). When the syncer goes silent it reconnects with capped exponential backof
 jitter, and registers again. No algorithm logic: the core's LearnerSync stays in the
 training thread.
 
+Liveness does not depend on the training thread: while LIVE the thread sends a ``beat``
+whenever it has sent nothing for ``beat_seconds``, so a learner in a step or an evaluation of
+any length is alive to the syncer; a frozen (SIGSTOPped) or killed process sends nothing and
+is detected as before. Torch releases the GIL in its kernels and Python code yields it every
+few milliseconds, so this thread gets its turns; a turn that comes late (an overloaded
+machine) is measured and said (:attr:`SyncerLink.longest_gap`).
+
 The link is always in one :class:`LinkState`: UNREGISTERED (started; the training thread
 has not asked for a hello yet), HELLO (saying hello, with capped backoff, until a welcome),
 LIVE (welcomed by the current syncer life; a rehello, a new syncer session or a silence sends
@@ -112,6 +119,7 @@ class SyncerLink(threading.Thread):
         shapes: list[list[tuple[int, ...]]],
         *,
         silence_seconds: float = 3.0,
+        beat_seconds: float = 1.0,
         max_pending: int = 64,
         give_up_seconds: float = 60.0,
     ) -> None:
@@ -122,6 +130,7 @@ class SyncerLink(threading.Thread):
         self.codec = codec
         self.shapes = shapes
         self.silence = silence_seconds
+        self.beat = beat_seconds  # say something at least this often while LIVE
         self.give_up = give_up_seconds
         self.fatal: str | None = None  # why this learner must stop (set once, by the thread)
         self.watch: HandshakeWatch | None = None
@@ -159,6 +168,8 @@ class SyncerLink(threading.Thread):
         self.ctx: zmq.Context[Socket] = zmq.Context.instance()
         self.sock: Socket | None = None
         self.last_rx = time.monotonic()
+        self.last_tx = time.monotonic()
+        self.longest_gap = 0.0  # the longest this thread went without a turn (GIL, CPU)
 
     # -- the training thread's side (never blocks) ----------------------------------------
     def progress(self, meta: dict[str, Any]) -> None:
@@ -215,7 +226,20 @@ class SyncerLink(threading.Thread):
     # -- the thread -------------------------------------------------------------------------
     def run(self) -> None:
         self._connect()
+        turned = time.monotonic()
         while not self._closing.is_set() and self.fatal is None:
+            gap = time.monotonic() - turned
+            turned += gap
+            if gap > self.longest_gap:  # a turn takes ~20 ms; much more: starved (said)
+                self.longest_gap = gap
+                if gap > self.beat:
+                    log.warning(
+                        "learner %d: the link thread did not run for %.1fs (stopped, an "
+                        "overloaded machine, or native code holding the GIL); the syncer "
+                        "gives a learner up after processes.detect_seconds of silence",
+                        self.learner,
+                        gap,
+                    )
             assert self.sock is not None
             assert self.watch is not None
             refused = self.watch.poll()
@@ -237,6 +261,8 @@ class SyncerLink(threading.Thread):
                 self._hello()  # until the syncer answers, with capped, jittered backoff
             elif self.state is LinkState.LIVE and now - self.last_rx > self.silence:
                 self._reconnect()
+            elif self.state is LinkState.LIVE and now - self.last_tx > self.beat:
+                self._send("beat")  # alive mid-step, mid-evaluation: whatever training does
             if self.state is LinkState.HELLO:
                 if now - self.last_welcome > self.give_up:
                     failed = self.failed_handshakes
@@ -322,6 +348,7 @@ class SyncerLink(threading.Thread):
         except zmq.Again:
             return None
         self.bytes_sent += payload_size(parts)
+        self.last_tx = time.monotonic()
         return parts
 
     def _drain(self) -> None:

@@ -129,6 +129,7 @@ class LearnerProcess:
             learner,
             sync.codec_spec(),
             shapes,
+            beat_seconds=min(1.0, config.processes.detect_seconds / 4),
             give_up_seconds=config.processes.give_up_seconds,
         )
         self.server = SnapshotServer(  # other ranks' servers never start: a free port each
@@ -223,6 +224,7 @@ class LearnerProcess:
                 bytes_received=self.link.bytes_received,
                 bytes_peer=self.bytes_peer,
                 reconnects=self.link.reconnects,
+                longest_link_gap=round(self.link.longest_gap, 3),
                 idle_seconds=round(self.idle_seconds, 4),
                 refused=dict(self.link.wire.refused),
                 ranks=self.ranks.world,

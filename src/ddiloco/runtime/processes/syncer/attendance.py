@@ -14,7 +14,7 @@ membership change (with the number live until then), :meth:`back` on a hello,
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 from ddiloco.report.summary import Uptime
 
@@ -53,10 +53,18 @@ class Attendance:
             if m in self.returning:
                 self.down_seconds += now - self.returning.pop(m)
 
-    def overdue(self, live: Iterable[int], now: float) -> list[int]:
+    def overdue(
+        self, live: Iterable[int], now: float, received: Mapping[int, float] | None = None
+    ) -> list[int]:
         """The live learners silent for ``detect_seconds``, now counted down (the caller
-        gives each up, after a :meth:`change`)."""
-        late = [m for m in sorted(live) if now - self.last_heard.get(m, now) > self.detect_seconds]
+        gives each up, after a :meth:`change`). ``received``: when each learner's latest
+        frame came, read or not yet (a busy loop reads late; the learner was not silent)."""
+        received = received or {}
+
+        def heard(m: int) -> float:
+            return max(self.last_heard.get(m, now), received.get(m, -float("inf")))
+
+        late = [m for m in sorted(live) if now - heard(m) > self.detect_seconds]
         for m in late:
             since = now - self.detect_seconds
             self.down_since[m] = min(since, self.returning.pop(m, since))  # (again, before

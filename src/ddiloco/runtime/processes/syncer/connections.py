@@ -10,14 +10,28 @@ which knows none) gets a ``rehello`` carrying this life's session, at most every
 ``REHELLO_SECONDS`` per learner, and nothing else happens. Every refusal is counted and
 logged rate-limited (a flood stays one line); nothing here raises on what a peer sends.
 
+The socket belongs to a network thread of its own (decision 87), so the syncer's liveness
+never depends on its work: the thread receives and checks every frame (stamping when it came),
+forwards what the service sends, and beats every learner of :attr:`beats` every
+``BEAT_SECONDS`` whatever the service's loop is doing (a long merge, a store write). The
+service's thread never touches the socket: it takes checked messages from a queue and hands
+frames over an inproc pipe. Counters are shared: each key is incremented by one thread only
+(the network thread: the wire's and the handshake's refusals, ``rehello``, ``send_dropped``),
+so no increment is lost.
+
 Call order: :meth:`receive` (or :meth:`poll` first) in the loop; :meth:`send` any time after
-the constructor; :meth:`close` once, last.
+the constructor, from the service's thread; :meth:`close` once, last.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
+import queue
+import threading
+import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -37,6 +51,10 @@ from ddiloco.runtime.processes.transport.wire import Limits, Wire, WireError, pa
 log = logging.getLogger(__name__)
 
 REHELLO_SECONDS = 0.25  # at most one rehello per learner this often
+BEAT_SECONDS = 0.5  # every learner hears from the syncer at least this often
+BUSY_WARN_SECONDS = 10.0  # the service's loop not turning this long is said (once a spell)
+BURST = 256  # frames taken from the socket before the pipe and the beats get a turn
+_pipes = itertools.count()
 
 
 @dataclass(frozen=True)
@@ -47,15 +65,24 @@ class Incoming:
     kind: str
     meta: dict[str, Any]
     payload: memoryview
+    at: float = 0.0  # when it came (the service's clock), however late the loop reads it
 
 
 class Connections:
     """The syncer's ROUTER socket and what it knows of each learner's connection."""
 
     def __init__(
-        self, bind: str, run_id: str, secret: bytes, slots: int, limits: Limits, shm: bool
+        self,
+        bind: str,
+        run_id: str,
+        secret: bytes,
+        slots: int,
+        limits: Limits,
+        shm: bool,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.slots = slots
+        self.clock = clock
         session = new_session()
         writer = writer_for(run_id, "S", session, bind.rpartition(":")[0], shm)
         self.wire = Wire(run_id, secret, "S", session, limits, shm=writer)
@@ -75,6 +102,22 @@ class Connections:
         self.rehellos = Throttle(REHELLO_SECONDS)  # per learner
         self.inline: set[int] = set()  # learners that cannot read our /dev/shm slots
         self.bytes_sent = 0
+        self._tally = threading.Lock()  # bytes_sent and send_unrouted: counted by both threads
+        # learner -> live?: who the network thread beats (replaced whole by the service)
+        self.beats: dict[int, bool] = {}
+        self.heard: dict[int, float] = {}  # learner -> when its latest checked frame came
+        self.turned = time.monotonic()  # the service's loop's latest turn (see :meth:`poll`)
+        self._inbox: queue.SimpleQueue[Incoming] = queue.SimpleQueue()
+        self._next: Incoming | None = None
+        pipe = f"inproc://syncer-sends-{next(_pipes)}"
+        self._pipe_in = self.ctx.socket(zmq.PULL)  # the network thread's end
+        self._pipe_in.bind(pipe)
+        self._pipe_out = self.ctx.socket(zmq.PUSH)  # the service's end
+        self._pipe_out.setsockopt(zmq.SNDHWM, 0)  # never dropped here: the socket decides
+        self._pipe_out.connect(pipe)
+        self._closing = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name="syncer-network", daemon=True)
+        self._thread.start()
 
     @property
     def session(self) -> int:
@@ -98,17 +141,76 @@ class Connections:
         )
 
     def poll(self, seconds: float) -> bool:
-        """Wait at most ``seconds`` for a frame (at least a millisecond)."""
-        return bool(self.sock.poll(max(1, int(seconds * 1000))))
+        """Wait at most ``seconds`` for a checked message; a call is the loop's turn."""
+        self.turned = time.monotonic()
+        if self._next is None:
+            try:
+                self._next = self._inbox.get(timeout=max(0.001, seconds))
+            except queue.Empty:
+                return False
+        return True
 
     def receive(self) -> Incoming | Literal[False] | None:
-        """The next frame, checked: an :class:`Incoming`, ``None`` for one refused or handled
-        here (a rehello), ``False`` when none is waiting."""
+        """The next checked message (the network thread refused or handled the rest), or
+        ``False`` when none is waiting."""
+        msg, self._next = self._next, None
+        if msg is not None:
+            return msg
         try:
-            frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
-        except zmq.Again:
+            return self._inbox.get_nowait()
+        except queue.Empty:
             return False
-        return self.check(frames)
+
+    # -- the network thread -----------------------------------------------------------------
+    def _serve(self) -> None:
+        """Receive and check, forward the service's frames, beat: nothing here waits on the
+        service's loop, and its work never holds this thread up (torch releases the GIL in
+        its kernels; Python code yields it every few milliseconds)."""
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        poller.register(self._pipe_in, zmq.POLLIN)
+        last_beat = 0.0
+        busy_said = False
+        while not self._closing.is_set():
+            now = time.monotonic()
+            wait = max(0.0, min(0.1, last_beat + BEAT_SECONDS - now))
+            ready = dict(poller.poll(int(wait * 1000) + 1))
+            if self._pipe_in in ready:
+                self._forward()
+            if self.sock in ready:
+                for _ in range(BURST):
+                    try:
+                        frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                    except zmq.Again:
+                        break
+                    msg = self.check(frames)
+                    if msg is not None:
+                        self._inbox.put(msg)
+            now = time.monotonic()
+            if now - last_beat >= BEAT_SECONDS:
+                last_beat = now
+                for m, live in list(self.beats.items()):
+                    self._send_to_learner(m, "beat", meta={"live": live})
+                busy = now - self.turned
+                if busy > BUSY_WARN_SECONDS and not busy_said:
+                    log.warning(
+                        "syncer: the main loop has been busy for %.0fs (a merge, a store "
+                        "write?); the network thread keeps the learners' links alive",
+                        busy,
+                    )
+                busy_said = busy > BUSY_WARN_SECONDS
+
+    def _forward(self) -> None:
+        """Send what the service queued, in its order."""
+        while True:
+            try:
+                frames = self._pipe_in.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            try:
+                self.sock.send_multipart(frames, zmq.NOBLOCK, copy=False)
+            except (zmq.Again, zmq.ZMQError):  # unreachable or its queue is full (frozen)
+                self.counts["send_dropped"] += 1
 
     def check(self, frames: list[zmq.Frame]) -> Incoming | None:
         """Who sent it (from the handshake), then the wire's checks, then its session."""
@@ -133,34 +235,58 @@ class Connections:
             return None
         self.routes[m] = ident  # an authenticated, fresh frame: this is m's connection now
         self.sessions[m] = h.session
+        at = self.clock()
+        self.heard[m] = at
         if h.to != self.wire.session:  # for an earlier life of ours, or a first hello
             if self.rehellos.ready(m):
-                self.send(m, "rehello")
+                self._send_to_learner(m, "rehello")
             self.counts["rehello"] += 1
             return None
-        return Incoming(m, h.kind, h.meta, msg.payload)
+        return Incoming(m, h.kind, h.meta, msg.payload, at)
 
     def send(self, m: int, kind: str, **kw: Any) -> None:
-        """To learner ``m``'s latest authenticated connection, addressed to its session;
-        dropped (and counted) when it has none or its queue is full."""
+        """To learner ``m``'s latest authenticated connection, addressed to its session
+        (the service's thread: handed to the network thread); dropped (and counted) when it
+        has none or its queue is full."""
+        parts = self._encode(m, kind, **kw)
+        if parts is not None:
+            self._pipe_out.send_multipart(parts, copy=False)
+
+    def _encode(self, m: int, kind: str, **kw: Any) -> list[Any] | None:
         route = self.routes.get(m)
         if route is None:
-            self.counts["send_unrouted"] += 1
-            return
-        self._send_to(
-            route, kind, learner=m, inline=m in self.inline, to=self.sessions.get(m, 0), **kw
-        )
+            with self._tally:
+                self.counts["send_unrouted"] += 1
+            return None
+        to = self.sessions.get(m, 0)
+        parts = self.wire.encode(kind, learner=m, inline=m in self.inline, to=to, **kw)
+        with self._tally:  # (both threads send)
+            self.bytes_sent += payload_size(parts)
+        return [route, *parts]
+
+    def _send_to_learner(self, m: int, kind: str, **kw: Any) -> None:
+        """Send from the network thread itself (a beat, a rehello)."""
+        parts = self._encode(m, kind, **kw)
+        if parts is not None:
+            self._send_raw(parts)
 
     def _send_to(self, route: bytes, kind: str, **kw: Any) -> None:
-        parts = self.wire.encode(kind, **kw)
+        self._send_raw([route, *self.wire.encode(kind, **kw)])
+
+    def _send_raw(self, parts: list[Any]) -> None:
         try:
-            self.sock.send_multipart([route, *parts], zmq.NOBLOCK, copy=False)
-            self.bytes_sent += payload_size(parts)
+            self.sock.send_multipart(parts, zmq.NOBLOCK, copy=False)
         except (zmq.Again, zmq.ZMQError):  # unreachable or its queue is full (frozen)
             self.counts["send_dropped"] += 1
 
     def close(self) -> None:
+        """Stop the network thread (what the service queued is sent first), then close."""
+        self._closing.set()
+        self._thread.join(timeout=5.0)
+        self._forward()
         self.handshakes.close()
+        self._pipe_out.close(0)
+        self._pipe_in.close(0)
         self.sock.close(0)
         self.gate.close()
         self.ctx.term()

@@ -74,7 +74,7 @@ log = logging.getLogger(__name__)
 
 Handler = Callable[[int, dict[str, Any], memoryview], None]  # (learner, metadata, payload)
 
-BEAT_SECONDS = 0.5
+BEAT_SECONDS = 0.5  # liveness checks, ledger saves, the status page (beats: .connections)
 FINAL_ASK_SECONDS = 1.0  # a final round asks the learners it still waits for again this often
 
 
@@ -128,7 +128,9 @@ class SyncerService:
         self.payloads: dict[tuple[int, int, int], bytes] = {}  # journal inputs, until merged
         self.limits = Limits(max_payload=max(64 << 20, 4 * self.plan.total_bytes))
         shm = self.config.processes.shared_memory
-        self.conn = Connections(bind, run_id, secret, setup.slots, self.limits, shm)
+        self.conn = Connections(
+            bind, run_id, secret, setup.slots, self.limits, shm, clock=events.now
+        )
         self.counts = self.conn.counts  # one tally of what was refused, dropped, re-sent
         self.send = self.conn.send
         self.status = StatusBoard(run_id)
@@ -160,6 +162,7 @@ class SyncerService:
             "progress": self.on_progress,
             "answer": self.on_answer,
             "bye": self.on_bye,
+            "beat": self.on_beat,
         }
 
     # -- the loop ---------------------------------------------------------------------------
@@ -206,8 +209,7 @@ class SyncerService:
             self.conn.handshakes.drain()
             self.check_liveness(now)
             self.store.save_ledger(self.ledger.to_state())  # narrows what a crash loses
-            for m in list(self.incarnations):
-                self.send(m, "beat", meta={"live": m in self.syncer.policy.progress})
+            self.roster()
             self.status.publish(snapshot_of(self, now))
         if finishing:
             return
@@ -257,7 +259,7 @@ class SyncerService:
     def handle(self, msg: Incoming) -> None:
         """An authenticated message for this syncer life (:mod:`.connections` checked who
         sent it and for whom): heard from its learner, then its handler."""
-        self.attendance.heard(msg.learner, self.events.now())
+        self.attendance.heard(msg.learner, msg.at)
         self.dispatch(msg.learner, msg.kind, msg.meta, msg.payload)
 
     def dispatch(self, m: int, kind: str, meta: dict[str, Any], payload: memoryview) -> None:
@@ -315,7 +317,18 @@ class SyncerService:
         for p, version in enumerate(self.syncer.versions):
             if version > int(versions[p]):
                 self.send_fragment([m], p, version, self.syncer.fragments[p], [])
+        self.roster()
         self.events("joined", learner=m, incarnation=inc, step=step)
+
+    def on_beat(self, m: int, meta: dict[str, Any], _: memoryview) -> None:
+        """A learner's link says it is alive while it sends nothing else (a long step, an
+        evaluation): :meth:`handle` has noted it; nothing else to do."""
+
+    def roster(self) -> None:
+        """Who the network thread beats, and whether each is waited for (one that is not
+        says hello again)."""
+        live = self.syncer.policy.progress
+        self.conn.beats = {m: m in live for m in self.incarnations}
 
     def on_inline(self, m: int, meta: dict[str, Any], _: memoryview) -> None:
         """Learner ``m`` cannot read our shared-memory slots: send it payloads inline."""
@@ -424,6 +437,7 @@ class SyncerService:
         self.syncer.policy.leave(m, self.events.now())
         self.ledger.crashed(m, LEFT)
         self.incarnations.pop(m, None)
+        self.roster()
         self.events("left", learner=m)
 
     def verdict(self, m: int, answer: AnswerMeta, verdict: str) -> None:
@@ -489,12 +503,14 @@ class SyncerService:
     def check_liveness(self, now: float) -> None:
         """Give up the learners silent for ``detect_seconds``: no longer waited for; the
         ledger waits to see a new life (or the end)."""
-        late = self.attendance.overdue(self.syncer.policy.progress, now)
+        late = self.attendance.overdue(self.syncer.policy.progress, now, self.conn.heard)
         if late:
             self.account_uptime(now)
         for m in late:
             self.syncer.policy.leave(m, now)
             self.events("detected", learner=m)
+        if late:
+            self.roster()
         self.poll()
 
     def account_uptime(self, now: float) -> None:

@@ -1,0 +1,100 @@
+"""Both ends of a learner's link stay alive whatever their main threads do: the syncer's
+network thread beats and stamps what arrives while its loop is busy (a long merge), and the
+learner's link thread beats while its training thread is in a long step. A real syncer
+socket (:class:`Connections`) and a real learner link (:class:`SyncerLink`), in one process:
+both ends' threads compete with the busy thread for one GIL, the harder case."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from ddiloco.core.codec import CodecSpec
+from ddiloco.runtime.processes.learner.link import LinkState, SyncerLink
+from ddiloco.runtime.processes.launcher.fragments import free_port
+from ddiloco.runtime.processes.syncer.connections import BEAT_SECONDS, Connections, Incoming
+from ddiloco.runtime.processes.transport.sockets import new_session
+from ddiloco.runtime.processes.transport.wire import Limits, Wire
+
+RUN, SECRET = "liveness", b"k" * 32
+LEARNER_BEAT = 0.25
+
+
+def busy(seconds: float) -> None:
+    """Keep this thread working: torch kernels (the GIL released) half the time, pure
+    Python (the GIL held, handed over at the switch interval) the other half."""
+    a = torch.randn(512, 512)
+    end = time.perf_counter() + seconds / 2
+    while time.perf_counter() < end:
+        a = torch.tanh(a @ a)
+    end = time.perf_counter() + seconds / 2
+    n = 0
+    while time.perf_counter() < end:
+        n += 1
+
+
+@pytest.fixture
+def linked() -> Iterator[tuple[Connections, SyncerLink]]:
+    """A syncer socket and a learner link to it, welcomed (LIVE)."""
+    address = f"127.0.0.1:{free_port('127.0.0.1')}"
+    conn = Connections(address, RUN, SECRET, 1, Limits(), shm=False)
+    wire = Wire(RUN, SECRET, "L0", new_session(), Limits())
+    link = SyncerLink(
+        address,
+        wire,
+        0,
+        CodecSpec(),
+        [[(4,)]],
+        silence_seconds=1.5,
+        beat_seconds=LEARNER_BEAT,
+    )
+    link.start()
+    link.register({"inc": wire.session, "step": 0, "versions": [0], "peer": ""})
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and link.state is not LinkState.LIVE:
+        if conn.poll(0.05):
+            msg = conn.receive()
+            if isinstance(msg, Incoming) and msg.kind == "hello":
+                conn.send(0, "welcome", meta={"global_step": 0, "versions": [0]})
+                conn.beats = {0: True}
+    assert link.state is LinkState.LIVE
+    yield conn, link
+    link.close(0.1)
+    conn.close()
+
+
+def beats_received(conn: Connections) -> list[float]:
+    times = []
+    while (msg := conn.receive()) is not False:
+        if isinstance(msg, Incoming) and msg.kind == "beat":
+            times.append(msg.at)
+    return times
+
+
+def test_both_ends_stay_alive_while_their_main_threads_are_busy(linked):
+    conn, link = linked
+    beats_received(conn)
+    started = time.monotonic()
+    busy(4.0)  # the syncer's loop does not turn, the learner's training thread does not step
+    took = time.monotonic() - started
+    # the learner heard the syncer's beats throughout: it never thought it silent
+    assert link.reconnects == 0 and link.state is LinkState.LIVE
+    assert time.monotonic() - link.last_rx < 3 * BEAT_SECONDS
+    # the syncer's network thread received and stamped the learner's beats as they came,
+    # however late its loop reads them
+    times = beats_received(conn)
+    assert len(times) >= took / LEARNER_BEAT / 2, times
+    gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
+    assert max(gaps) < 4 * LEARNER_BEAT, gaps
+    assert link.longest_gap < 1.0, link.longest_gap
+
+
+def test_a_link_whose_syncer_stopped_beating_notices_the_silence(linked):
+    conn, link = linked
+    conn.beats = {}  # the syncer says nothing more to this learner
+    time.sleep(1.5 + 1.0)
+    assert link.reconnects >= 1  # silence noticed: it reconnected and says hello again
+    assert link.state is LinkState.HELLO
