@@ -147,13 +147,46 @@ class Insider:
         self.send("peers")
         self.expect("peers")
 
+    def prove(self) -> None:
+        """A new connection's first frame is answered with a challenge; echo its nonce."""
+        self.send("peers")
+        nonce = self.expect("challenge").header.meta["nonce"]
+        self.send("proof", meta={"nonce": nonce})
+
     def register(self, fragments: int = 2) -> Message:
+        self.prove()  # (the challenge says the syncer's session: the hello is addressed)
         hello = {"inc": self.wire.session, "step": 0, "versions": [0] * fragments}
-        self.send("hello", meta=hello)  # knows no syncer session yet: told to rehello
-        self.expect("rehello")
         self.send("hello", meta=hello)
         return self.expect("welcome")
 
     def close(self) -> None:
         self.sock.close(0)
         self.ctx.term()
+
+
+def start_learner(
+    config_path, address: str, secret: bytes, run: str, *extra: str, stdout=subprocess.DEVNULL
+):
+    env = {**os.environ, SECRET_ENV: secret.hex()}
+    cmd = [
+        sys.executable,
+        "-m",
+        "ddiloco.cli",
+        "learner",
+        "--syncer",
+        address,
+        "--id",
+        "0",
+        "--run-id",
+        run,
+        "--config",
+        str(config_path),
+        *extra,
+    ]
+    return subprocess.Popen(cmd, env=env, stdout=stdout, stderr=subprocess.PIPE, text=True)
+
+
+def events_in(path) -> list[dict]:
+    prefix = EVENT_PREFIX
+    lines = path.read_text().splitlines()
+    return [json.loads(line[len(prefix) :]) for line in lines if line.startswith(prefix)]

@@ -3,26 +3,29 @@ holding it): every attack is refused, counted and logged, and the run goes on.""
 
 from __future__ import annotations
 
-import json
-import os
 import socket
 import struct
-import subprocess
-import sys
 import time
 from typing import Any
 
 import torch
 import zmq
-from attackers import OVERRIDES, RUN, SECRET, Insider, SyncerProcess, rss_bytes
+from attackers import (
+    OVERRIDES,
+    RUN,
+    SECRET,
+    Insider,
+    SyncerProcess,
+    events_in,
+    rss_bytes,
+    start_learner,
+)
 
 from ddiloco.config import load_config, to_toml
 from ddiloco.core.codec import CodecSpec, encode_tensors
 from ddiloco.core.plans import gather
 from ddiloco.errors import FATAL_EXIT
 from ddiloco.runtime.processes.launcher.fragments import free_port
-from ddiloco.runtime.processes.transport.events import EVENT_PREFIX
-from ddiloco.runtime.processes.transport.sockets import SECRET_ENV
 from ddiloco.runtime.processes.transport.wire import FLAG_SHM, PREFIX, VERSION, Wire, decode_update
 from ddiloco.runtime.run import RunSetup
 
@@ -220,28 +223,6 @@ def test_bad_frames_and_nan_updates_are_refused_logged_counted_and_never_applied
         assert f"({reason})" in syncer.stderr  # one clear log line each
 
 
-def start_learner(
-    config_path, address: str, secret: bytes, run: str, *extra: str, stdout=subprocess.DEVNULL
-):
-    env = {**os.environ, SECRET_ENV: secret.hex()}
-    cmd = [
-        sys.executable,
-        "-m",
-        "ddiloco.cli",
-        "learner",
-        "--syncer",
-        address,
-        "--id",
-        "0",
-        "--run-id",
-        run,
-        "--config",
-        str(config_path),
-        *extra,
-    ]
-    return subprocess.Popen(cmd, env=env, stdout=stdout, stderr=subprocess.PIPE, text=True)
-
-
 def test_a_learner_started_before_its_syncer_waits_for_it_instead_of_training_alone(tmp_path):
     # it used to train at once and report it all on its welcome: on a cold CI box the
     # learners were up 1 s before their syncer and spent the whole token budget before a merge
@@ -274,12 +255,6 @@ def test_a_learner_started_before_its_syncer_waits_for_it_instead_of_training_al
     steps = [e for e in events_in(tmp_path / "learner.out") if e["kind"] == "step"]
     assert steps and steps[0]["step"] == 1  # it started with the syncer, from the start
     assert summary["tokens"] > 0
-
-
-def events_in(path) -> list[dict]:
-    prefix = EVENT_PREFIX
-    lines = path.read_text().splitlines()
-    return [json.loads(line[len(prefix) :]) for line in lines if line.startswith(prefix)]
 
 
 def test_a_learner_refused_or_without_a_syncer_stops_at_once_naming_the_cause(tmp_path):

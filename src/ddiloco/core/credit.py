@@ -28,6 +28,7 @@ class _Learner:
     allowance: float  # steps it may still be credited
     rate: float = 0.0  # steps per second, smoothed
     reports: int = 0
+    ceiling: int | None = None  # the highest step its first report may be counted from
 
 
 @dataclass
@@ -43,11 +44,12 @@ class StepBudget:
         require(self.factor >= 1.0, "factor", self.factor, "must be >= 1")
         require(self.horizon > 0 and self.bootstrap_rate > 0, "horizon", self.horizon, "> 0")
 
-    def join(self, learner: int, step: int | None, now: float) -> None:
+    def join(self, learner: int, step: int | None, now: float, ceiling: int | None = None) -> None:
         """A learner's life starts being counted at ``step``; None: at its first report,
         which then credits the steps its tokens fill (a new life reports what it trained
-        before the syncer welcomed it in one report, up to a step the syncer never saw)."""
-        self.learners[learner] = _Learner(step, now, self.cap() * 1.0)
+        before the syncer welcomed it in one report, up to a step the syncer never saw),
+        counted from at most ``ceiling`` (the step its hello was counted from)."""
+        self.learners[learner] = _Learner(step, now, self.cap() * 1.0, ceiling=ceiling)
 
     def cap(self) -> float:
         """Steps per second any one learner may be credited at."""
@@ -71,6 +73,8 @@ class StepBudget:
             if not (whole and isinstance(tokens, int) and tokens >= 0 and tokens_per_step > 0):
                 return 0, 0
             last = max(0, step - max(1, -(-tokens // tokens_per_step)))  # type: ignore[operator]
+            if state.ceiling is not None:
+                last = min(last, state.ceiling)
             state.step = last
         claim: Any = (step, tokens)  # checked by credit_progress, which refuses non-ints
         steps, credited = credit_progress(

@@ -45,7 +45,7 @@ from ddiloco.runtime.processes.launcher.supervision import (
     descendant_groups,
     exited_record,
 )
-from ddiloco.runtime.processes.transport.events import EVENT_PREFIX
+from ddiloco.runtime.processes.transport.events import EVENT_PREFIX, RunClock
 
 DUTY_PERIOD = 0.2  # seconds: one SIGSTOP/SIGCONT cycle of a straggler
 Hook = Callable[[Any, dict[str, Any]], None]
@@ -89,6 +89,7 @@ class Supervisor:
         self.run_id = f"{config.name}-{secrets.token_hex(4)}"
         self.env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         self.t0 = time.time() if t0 is None else t0  # event times count from it
+        self.clock = RunClock(self.t0)  # (monotonic: a stepped wall clock moves no timer)
         self.procs: dict[str, subprocess.Popen[str]] = {}
         self.expected_exit: set[str] = set()  # killed or stopped on purpose
         self.events: queue.SimpleQueue[tuple[str, dict[str, Any]]] = queue.SimpleQueue()
@@ -226,7 +227,7 @@ class Supervisor:
         heapq.heappush(self._timers, (time.monotonic() + seconds, next(self._tie), action))
 
     def now(self) -> float:
-        return time.time() - self.t0
+        return self.clock.now()
 
     def duty_cycle(self, send: Callable[[int], bool], factor: float, duration: float) -> None:
         """A straggler (run it on a thread): ``send`` SIGSTOP then SIGCONT so its target runs

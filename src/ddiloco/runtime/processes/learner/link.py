@@ -435,6 +435,8 @@ class SyncerLink(threading.Thread):
             return
         self.last_rx = time.monotonic()
         self.bytes_received += msg.payload.nbytes
+        if h.kind == "challenge":  # a new connection proves it holds the secret now
+            self._prove(h.session, h.meta.get("nonce"))
         if h.session != self.syncer_session:  # a syncer (life) we have not talked to yet
             if self.syncer_session is not None:
                 log.warning("learner %d: the syncer restarted; registering again", self.learner)
@@ -490,6 +492,14 @@ class SyncerLink(threading.Thread):
             self.wire.shm = None
             self.slots.clear()
             self._resend(by_shm)
+
+    def _prove(self, session: int, nonce: Any) -> None:
+        """Answer a challenge (syncer/admission.py): the frames this connection sent before
+        were dropped unread, so a live link says hello again and re-pushes its answers."""
+        self._send("proof", meta={"nonce": str(nonce)[:64]})
+        if self.state is LinkState.LIVE and session == self.syncer_session:
+            self.sent_to.clear()  # (a re-push the syncer did see is recognised, not re-applied)
+            self._rehello()
 
     def _resend(self, keys: list[Key]) -> None:
         """Send pending answers again: the syncer never read them."""

@@ -37,6 +37,7 @@ from typing import Any, Literal
 
 import zmq
 
+from ddiloco.runtime.processes.syncer.admission import Admission, Verdict
 from ddiloco.runtime.processes.transport.auth import (
     Gatekeeper,
     HandshakeCounter,
@@ -46,7 +47,13 @@ from ddiloco.runtime.processes.transport.auth import (
 from ddiloco.runtime.processes.transport.ratelog import RateLimitedLog, Throttle
 from ddiloco.runtime.processes.transport.shm import writer_for
 from ddiloco.runtime.processes.transport.sockets import Socket, configure, new_session
-from ddiloco.runtime.processes.transport.wire import Limits, Wire, WireError, payload_size
+from ddiloco.runtime.processes.transport.wire import (
+    Header,
+    Limits,
+    Wire,
+    WireError,
+    payload_size,
+)
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +61,7 @@ REHELLO_SECONDS = 0.25  # at most one rehello per learner this often
 BEAT_SECONDS = 0.5  # every learner hears from the syncer at least this often
 BUSY_WARN_SECONDS = 10.0  # the service's loop not turning this long is said (once a spell)
 BURST = 256  # frames taken from the socket before the pipe and the beats get a turn
+UNPROVEN_SAID = 3  # unproven frames from one connection before it is said
 _pipes = itertools.count()
 
 
@@ -106,6 +114,9 @@ class Connections:
         # learner -> live?: who the network thread beats (replaced whole by the service)
         self.beats: dict[int, bool] = {}
         self.heard: dict[int, float] = {}  # learner -> when its latest checked frame came
+        self._heard_mono: dict[int, float] = {}  # ... on this process's monotonic clock
+        self.admission = Admission()  # which connections proved themselves (network thread)
+        self.stale = Throttle(1.0)  # a replaced life is told so at most once a second
         self.turned = time.monotonic()  # the service's loop's latest turn (see :meth:`poll`)
         self._inbox: queue.SimpleQueue[Incoming] = queue.SimpleQueue()
         self._next: Incoming | None = None
@@ -213,7 +224,9 @@ class Connections:
                 self.counts["send_dropped"] += 1
 
     def check(self, frames: list[zmq.Frame]) -> Incoming | None:
-        """Who sent it (from the handshake), then the wire's checks, then its session."""
+        """Who sent it (from the handshake), then the wire's checks, then whether its
+        connection proved itself and its life is the learner's (:mod:`.admission`), then
+        its session."""
         user = str(frames[-1].get("User-Id")) if len(frames) > 1 else None
         m = learner_of(user)
         if m is None or not 0 <= m < self.slots:  # the gatekeeper admits no such peer
@@ -223,26 +236,103 @@ class Connections:
             self.refuse("refused_parts", m, f"{len(frames) - 1} parts, a frame has 3")
             return None
         ident = frames[0].bytes
-        try:
-            msg = self.wire.decode([f.buffer for f in frames[1:]])
+        try:  # (the replay window is consulted below, once the connection is trusted)
+            msg = self.wire.decode([f.buffer for f in frames[1:]], admit=False)
         except WireError as exc:  # logged (rate-limited) and counted by the wire
-            if exc.reason == "shm_missing":  # it cannot reach us through /dev/shm
-                self._send_to(ident, "no_shm", learner=m)
+            if exc.reason == "shm_missing" and self.admission.proven(ident, m):
+                self._send_to(ident, "no_shm", learner=m)  # it cannot reach our /dev/shm
             return None
         h = msg.header
         if h.sender != user or h.learner != m:
             self.refuse("refused_identity", m, f"a frame of {h.sender!r} on {user}'s connection")
             return None
-        self.routes[m] = ident  # an authenticated, fresh frame: this is m's connection now
+        if not self.admission.proven(ident, m):
+            self._prove(ident, m, h)
+            return None
+        if not self._admit(ident, m, h):
+            return None
+        self.routes[m] = ident  # a proven, fresh frame of m's life: its connection now
         self.sessions[m] = h.session
         at = self.clock()
         self.heard[m] = at
+        self._heard_mono[m] = time.monotonic()
         if h.to != self.wire.session:  # for an earlier life of ours, or a first hello
             if self.rehellos.ready(m):
                 self._send_to_learner(m, "rehello")
             self.counts["rehello"] += 1
             return None
         return Incoming(m, h.kind, h.meta, msg.payload, at)
+
+    def _prove(self, ident: bytes, m: int, h: Header) -> None:
+        """A frame on a connection that has not proved itself: a proof, or a challenge."""
+        if h.kind == "proof":
+            if self.admission.prove(ident, m, h.meta.get("nonce")):
+                return  # (not through the replay window: a new life's proof must not
+                # retire the current life's session; the nonce makes it fresh)
+            self.refuse("refused_proof", m, "a proof that does not echo this connection's nonce")
+            return
+        self.counts["unproven"] += 1
+        nonce, unproven = self.admission.challenge(ident, m, time.monotonic())
+        if nonce is not None:
+            self._send_to(ident, "challenge", learner=m, to=h.session, meta={"nonce": nonce})
+        if unproven == UNPROVEN_SAID:  # a learner proves itself at its first challenge
+            self.say(
+                "unproven",
+                "syncer: a connection with learner %d's credentials sends frames but does not "
+                "prove it holds the run secret now (a replayed capture?): dropped (unproven)",
+                m,
+            )
+
+    def _admit(self, ident: bytes, m: int, h: Header) -> bool:
+        """The replay window, after the life check: a new life on another connection
+        replaces the current one only once that one is gone (else it is held, then told
+        it is a second process with this id)."""
+        current, route = self.sessions.get(m), self.routes.get(m)
+        if current is not None and h.session != current and route not in (None, ident):
+            verdict = self.admission.newcomer(
+                m,
+                h.session,
+                route_open=route is not None and self._route_open(route, m),
+                heard_at=self._heard_mono.get(m),
+                now=time.monotonic(),
+            )
+            if verdict is not Verdict.ADMIT:
+                self.counts["held_newcomer" if verdict is Verdict.HOLD else "refused_second"] += 1
+                if verdict is Verdict.REFUSE:
+                    self._refuse_second(ident, m, h.session)
+                return False
+        try:
+            self.wire.admit(h)
+        except WireError as exc:  # counted and logged by the wire
+            if exc.field == "session" and self.stale.ready(ident):  # a replaced life
+                why = (
+                    f"learner {m} was taken over by a newer process (another life of this "
+                    "learner said hello while this one was silent: frozen, cut off or "
+                    "restarted); this process is out of date"
+                )
+                self._send_to(ident, "refused", learner=m, to=h.session, meta={"why": why})
+            return False
+        return True
+
+    def _route_open(self, route: bytes, m: int) -> bool:
+        """Whether ``route`` is still connected (a beat to it; libzmq drops a closed
+        connection's route, and ROUTER_MANDATORY then refuses the send)."""
+        parts = self.wire.encode("beat", learner=m, to=self.sessions.get(m, 0), meta={"live": True})
+        try:
+            self.sock.send_multipart([route, *parts], zmq.NOBLOCK, copy=False)
+        except zmq.ZMQError as exc:
+            return exc.errno == zmq.EAGAIN  # a full queue: connected, only slow
+        return True
+
+    def _refuse_second(self, ident: bytes, m: int, session: int) -> None:
+        why = (
+            f"learner {m} is already running: another process with this id is connected and "
+            "speaking to the syncer. Is a second `ddiloco learner --id "
+            f"{m}` running? Stop one of them."
+        )
+        log.error("syncer: refused a second process claiming learner %d: %s", m, why)
+        self._send_to(ident, "refused", learner=m, to=session, meta={"why": why})
+        self.admission.forget(ident)
 
     def send(self, m: int, kind: str, **kw: Any) -> None:
         """To learner ``m``'s latest authenticated connection, addressed to its session

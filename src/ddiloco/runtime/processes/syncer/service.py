@@ -139,6 +139,7 @@ class SyncerService:
         self.checkpoints = checkpoint_writer(setup, Path(store_dir), run, self.tokens)
         # what one step of a learner can hold, and how fast steps may be credited
         self.tokens_per_step = setup.tokens_per_step * self.config.processes.ranks
+        self.step_slack = 2 * sync.sync_every + 8  # a hello's step beyond the credited ones
         self.budget = StepBudget()
         self.budget_incarnations: dict[int, int] = {}  # learner -> the life its budget is of
         self.totals = RunningTotals(self.plan.num_fragments)  # a lost report costs nothing
@@ -280,18 +281,15 @@ class SyncerService:
     # -- messages ---------------------------------------------------------------------------
     def on_hello(self, m: int, meta: dict[str, Any], _: memoryview) -> None:
         hello = messages.hello(meta, self.plan.num_fragments)
-        inc, step, versions = hello.incarnation, hello.step, hello.versions
+        inc, versions = hello.incarnation, hello.versions
         if inc != self.conn.sessions.get(m):
             raise ConfigError("meta.inc", inc, "is not the session this learner signs with")
-        if not self.restored and max(versions, default=0) > 0 and not any(self.syncer.versions):
-            why = (
-                f"learner {m} holds fragment versions up to {max(versions)} but this "
-                f"syncer's store {self.store.dir} is empty: was the syncer started with "
-                "another --store, or was its store lost? Restore it, or start the run anew"
-            )
+        why = self.ahead_of_store(m, versions)
+        if why is not None:
             self.conn.refuse("refused_ahead", m, why)  # its answers could never merge: say so
             self.send(m, "refused", meta={"why": why})
             return
+        step = self.bounded_step(m, hello.step)
         now = self.events.now()
         self.totals.start(m, inc, from_zero=self.ledger.lives.get(m) != inc)
         self.ledger.joined(m, inc, step, versions)  # a new life: what the old one held is lost
@@ -302,7 +300,9 @@ class SyncerService:
         if self.budget_incarnations.get(m) != inc:  # a life the budget has not seen: from
             self.budget_incarnations[m] = inc  # where the ledger counted it (a restored
             restored = m in self.ledger.spans_restart  # life), or its first report's tokens
-            self.budget.join(m, self.ledger.last_step[m][0] if restored else None, now)
+            self.budget.join(
+                m, self.ledger.last_step[m][0] if restored else None, now, ceiling=step
+            )
         asks = self.syncer.policy.join(m, step)
         self.send(
             m,
@@ -319,6 +319,50 @@ class SyncerService:
                 self.send_fragment([m], p, version, self.syncer.fragments[p], [])
         self.roster()
         self.events("joined", learner=m, incarnation=inc, step=step)
+
+    def ahead_of_store(self, m: int, versions: list[int]) -> str | None:
+        """Why learner ``m`` cannot take part when it holds a fragment version this syncer
+        never made (its store is empty, older than the run, or another run's); else None.
+        A merge is durable before it is broadcast, so an honest learner is never ahead."""
+        ahead = [p for p, v in enumerate(versions) if v > self.syncer.versions[p]]
+        if not ahead:
+            return None
+        p = ahead[0]
+        held, have = versions[p], self.syncer.versions[p]
+        if not any(self.syncer.versions):
+            return (
+                f"learner {m} holds fragment versions up to {max(versions)} but this "
+                f"syncer's store {self.store.dir} is empty: was the syncer started with "
+                "another --store, or was its store lost? Restore it, or start the run anew"
+            )
+        return (
+            f"learner {m} holds fragment {p} at version {held} but this syncer's store "
+            f"{self.store.dir} has it at version {have}: the store is older than the run "
+            "(restored from an older backup, or another run's store?). Restore the newest "
+            "store, or start the run anew"
+        )
+
+    def bounded_step(self, m: int, claimed: int) -> int:
+        """The step learner ``m``'s hello is counted from: its claim, at most what the run
+        has credited anyone (or its global step) plus ``step_slack`` (a copied peer's or a
+        save's step is a step some learner reached; a claim beyond it would move the global
+        step, and every round with it). A capped claim is counted and said."""
+        known = [self.syncer.policy.global_step, *(s for s, _ in self.ledger.last_step.values())]
+        known += [s for k in self.budget.learners if (s := self.budget.step_of(k)) is not None]
+        ceiling = max(known) + self.step_slack
+        if claimed <= ceiling:
+            return claimed
+        self.counts["hello_step_capped"] += 1
+        self.conn.say(
+            "hello_step",
+            "syncer: learner %d's hello claims step %d, beyond any step this run has credited "
+            "(%d): counted from step %d (hello_step_capped)",
+            m,
+            claimed,
+            max(known),
+            ceiling,
+        )
+        return ceiling
 
     def on_beat(self, m: int, meta: dict[str, Any], _: memoryview) -> None:
         """A learner's link says it is alive while it sends nothing else (a long step, an

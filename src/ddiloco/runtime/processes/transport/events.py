@@ -13,6 +13,20 @@ from typing import Any
 EVENT_PREFIX = "@event "
 
 
+class RunClock:
+    """Seconds since the run's start ``t0`` (a wall-clock time, shared by every process of a
+    run), read from this process's monotonic clock: the wall clock is consulted once, here,
+    so a clock stepped back (or forward) later moves no timeout, beat or detection."""
+
+    def __init__(self, t0: float) -> None:
+        self.t0 = t0
+        self._at = time.time() - t0
+        self._mono = time.monotonic()
+
+    def now(self) -> float:
+        return self._at + time.monotonic() - self._mono
+
+
 class Events:
     """Events as JSON lines on stdout (``@event {...}``), stamped with seconds since t0;
     with ``sink``, handed to it instead (a hand-started syncer's own run directory)."""
@@ -21,12 +35,13 @@ class Events:
         self, t0: float, stream: Any = None, sink: Callable[[dict[str, Any]], None] | None = None
     ) -> None:
         self.t0 = t0
+        self.clock = RunClock(t0)
         self.stream = stream or sys.stdout
         self.sink = sink
         self._lock = threading.Lock()
 
     def now(self) -> float:
-        return time.time() - self.t0
+        return self.clock.now()
 
     def __call__(self, kind: str, **fields: Any) -> None:
         record = {"kind": kind, "t": round(self.now(), 4), **fields}

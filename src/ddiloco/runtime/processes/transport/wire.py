@@ -256,19 +256,35 @@ class Wire:
         self.shm_reader.close()
 
     # -- receiving --------------------------------------------------------------------------
-    def decode(self, parts: Sequence[Part]) -> Message:
+    def decode(self, parts: Sequence[Part], *, admit: bool = True) -> Message:
         """Check one received frame (its parts, or one joined blob) and return it.
 
         Raises :class:`WireError` naming what is wrong; the refusal is logged and counted
-        in :attr:`refused` under its reason.
+        in :attr:`refused` under its reason. ``admit=False`` checks everything but the
+        replay window, which the caller consults with :meth:`admit` once it trusts the
+        connection (a frame must not retire a sender's session before that).
         """
         try:
-            return self._decode(parts)
+            msg = self._decode(parts)
+            if admit:
+                self.window.check(msg.header.sender, msg.header.session, msg.header.seq)
+            return msg
         except WireError as exc:
-            self.refused[exc.reason] += 1
-            level = logging.INFO if exc.reason == "expired" else logging.WARNING  # (a race)
-            self._say(exc.reason, "wire: refused frame: %s (%s)", exc, exc.reason, level=level)
+            self._refused(exc)
             raise
+
+    def admit(self, header: Header) -> None:
+        """The replay window's check of a frame decoded with ``admit=False``."""
+        try:
+            self.window.check(header.sender, header.session, header.seq)
+        except WireError as exc:
+            self._refused(exc)
+            raise
+
+    def _refused(self, exc: WireError) -> None:
+        self.refused[exc.reason] += 1
+        level = logging.INFO if exc.reason == "expired" else logging.WARNING  # (a race)
+        self._say(exc.reason, "wire: refused frame: %s (%s)", exc, exc.reason, level=level)
 
     def _decode(self, parts: Sequence[Part]) -> Message:
         views = [_as_view(p) for p in parts]
@@ -307,7 +323,6 @@ class Wire:
         header = _header(head[PREFIX.size :], self.limits)
         if header.run != self.run:
             raise WireError("run", header.run, f"this is run {self.run!r}", "run")
-        self.window.check(header.sender, header.session, header.seq)
         return Message(header, body)
 
 
