@@ -9,6 +9,7 @@ so both ways a training thread can keep the CPU are covered.
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 from typing import Any
 
@@ -64,9 +65,7 @@ BASE = [
 ]
 
 
-def run(
-    tmp_path: Path, monkeypatch: Any, hook: Any
-) -> tuple[Launcher, dict[str, Any], list[Any]]:
+def run(tmp_path: Path, monkeypatch: Any, hook: Any) -> tuple[Launcher, dict[str, Any], list[Any]]:
     (tmp_path / "slowmodels.py").write_text(SLOW_MODELS)
     monkeypatch.syspath_prepend(str(tmp_path))  # the launcher's preflight imports it here,
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))  # the processes there
@@ -80,9 +79,7 @@ def steps_of(records: list[dict[str, Any]], m: int) -> list[dict[str, Any]]:
     return [r for r in records if r["kind"] == "step" and r["learner"] == m]
 
 
-def test_learners_whose_steps_outlast_the_detection_time_are_never_given_up(
-    tmp_path, monkeypatch
-):
+def test_learners_whose_steps_outlast_the_detection_time_are_never_given_up(tmp_path, monkeypatch):
     steps = {0: 0, 1: 0}
 
     def hook(launcher: Launcher, r: dict[str, Any]) -> None:
@@ -95,7 +92,7 @@ def test_learners_whose_steps_outlast_the_detection_time_are_never_given_up(
 
     # each step took longer than the syncer waits for a silent learner
     times = [r["t"] for r in steps_of(records, 0)]
-    assert min(b - a for a, b in zip(times, times[1:], strict=False)) > DETECT
+    assert min(b - a for a, b in itertools.pairwise(times)) > DETECT
     assert not [r for r in records if r["kind"] == "detected"]
     assert summary["learner_uptime"] >= 0.95, summary["learner_uptime"]
     assert summary["tokens_wasted"].get("crash", 0) == 0, summary["tokens_wasted"]
@@ -104,9 +101,7 @@ def test_learners_whose_steps_outlast_the_detection_time_are_never_given_up(
     assert sorted(done) == [0, 1] and all(d["reconnects"] == 0 for d in done.values()), done
 
 
-def test_a_frozen_slow_learner_is_still_detected_within_the_detection_time(
-    tmp_path, monkeypatch
-):
+def test_a_frozen_slow_learner_is_still_detected_within_the_detection_time(tmp_path, monkeypatch):
     state: dict[str, Any] = {"steps": {0: 0, 1: 0}}
     freeze = 2 * STEP_SECONDS + DETECT
 

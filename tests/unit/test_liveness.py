@@ -6,6 +6,7 @@ both ends' threads compete with the busy thread for one GIL, the harder case."""
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Iterator
 
@@ -13,8 +14,8 @@ import pytest
 import torch
 
 from ddiloco.core.codec import CodecSpec
-from ddiloco.runtime.processes.learner.link import LinkState, SyncerLink
 from ddiloco.runtime.processes.launcher.fragments import free_port
+from ddiloco.runtime.processes.learner.link import LinkState, SyncerLink
 from ddiloco.runtime.processes.syncer.connections import BEAT_SECONDS, Connections, Incoming
 from ddiloco.runtime.processes.transport.sockets import new_session
 from ddiloco.runtime.processes.transport.wire import Limits, Wire
@@ -87,7 +88,7 @@ def test_both_ends_stay_alive_while_their_main_threads_are_busy(linked):
     # however late its loop reads them
     times = beats_received(conn)
     assert len(times) >= took / LEARNER_BEAT / 2, times
-    gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
+    gaps = [b - a for a, b in itertools.pairwise(times)]
     assert max(gaps) < 4 * LEARNER_BEAT, gaps
     assert link.longest_gap < 1.0, link.longest_gap
 
