@@ -8,6 +8,7 @@ wrong types are refused with the dotted key named, so a typo never silently runs
 from __future__ import annotations
 
 import dataclasses
+import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +34,7 @@ METHODS = ("decoupled", "decoupled_sync", "streaming", "diloco", "data_parallel"
 OPTIMIZERS = ("adamw", "sgd")
 SCHEDULES = ("cosine", "linear", "constant")
 PRECISIONS = ("auto", "fp32", "bf16")
+_HOST_NAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9.-]{0,251}[A-Za-z0-9])?\.?")  # processes.http_hosts
 
 
 @dataclass(frozen=True)
@@ -287,6 +289,10 @@ class ProcessesConfig:
     # the syncer's read-only status page, JSON and Prometheus metrics (HOST:PORT, port 0: a
     # free one; "": off). Its URL is printed and written to <run>/status_url.
     http: str = "127.0.0.1:0"
+    # names (besides IP literals, localhost and the bound name) that requests to processes.http
+    # may carry in their Host header, e.g. a reverse proxy's ["status.example.org"]; any other
+    # name is refused (421): a DNS-rebinding page cannot read the status
+    http_hosts: tuple[str, ...] = ()
     # the page's actions (kill / leave a learner, with the run secret): "auto" (on when
     # processes.http binds loopback only), "on", "off"
     http_actions: str = "auto"
@@ -298,6 +304,13 @@ class ProcessesConfig:
             self.http_actions,
             "one of auto, on, off",
         )
+        for name in self.http_hosts:
+            require(
+                isinstance(name, str) and _HOST_NAME.fullmatch(name) is not None,
+                "processes.http_hosts",
+                name,
+                "a host name without port (letters, digits, '.', '-')",
+            )
         require(self.max_restarts >= 0, "processes.max_restarts", self.max_restarts, ">= 0")
         require(0 <= self.peer_port <= 65535, "processes.peer_port", self.peer_port, "0..65535")
         for name in (

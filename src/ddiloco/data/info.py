@@ -67,6 +67,8 @@ def read_meta(source: str | Path) -> Meta | None:
         raw = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
         raise bad(f"unreadable meta.json: {exc}") from exc
+    except RecursionError:  # (json's C parser recurses)
+        raise bad("unreadable meta.json: nested too deeply") from None
     if not isinstance(raw, dict):
         raise bad("meta.json is not an object")
 

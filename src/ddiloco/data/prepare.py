@@ -23,8 +23,14 @@ from typing import Any
 import numpy as np
 from blake3 import blake3
 
-from ddiloco.data.info import FORMAT, META, token_dtype
-from ddiloco.data.sources import Document, documents, is_hf_dataset, line_pieces
+from ddiloco.data.info import FORMAT, META, read_meta, token_dtype
+from ddiloco.data.sources import (
+    Document,
+    documents,
+    is_hf_dataset,
+    iter_line_pieces,
+    line_pieces,
+)
 from ddiloco.data.tokenizer import (
     TOKENIZER_FILE,
     ByteTokenizer,
@@ -60,9 +66,16 @@ class Progress:
         self.last = time.monotonic()
         self.documents = 0
         self.text_bytes = 0
+        self.skipped: set[str] = set()  # each warning once, though the source is read twice
 
     def say(self, line: str) -> None:
         print(f"ddiloco data prepare: {line}", file=self.stream, flush=True)
+
+    def warn(self, line: str) -> None:
+        """A file skipped (binary, a link not followed...): said once, counted in meta.json."""
+        if line not in self.skipped:
+            self.skipped.add(line)
+            print(f"ddiloco: warning: {line}", file=self.stream, flush=True)
 
     def tick(self, tokens: int, force: bool = False) -> None:
         now = time.monotonic()
@@ -114,10 +127,11 @@ class SplitEncoder:
         if isinstance(self.tokenizer, ByteTokenizer):
             self.writer.write(np.frombuffer(data, dtype=np.uint8))
             return
-        self.pending.extend(line_pieces(data.decode("utf-8"), ENCODE_PIECE))
-        self.pending_chars += len(data)
-        if self.pending_chars >= BATCH_TEXT:
-            self.flush()
+        for piece in iter_line_pieces(data.decode("utf-8"), ENCODE_PIECE):
+            self.pending.append(piece)
+            self.pending_chars += len(piece)
+            if self.pending_chars >= BATCH_TEXT:  # (within a long piece too: one batch's
+                self.flush()  # tokens at a time, whatever the line's length)
 
     def end_document(self) -> None:
         if self.open_document and self.tokenizer.eot is not None:
@@ -189,6 +203,28 @@ def _check(options: Options) -> None:
         raise ConfigError("--out", str(out), "holds the source (it would be replaced)")
     if source.is_dir() and not is_hf_dataset(source) and source.resolve() in out.resolve().parents:
         raise ConfigError("--out", str(out), "is inside the source directory (it would be read)")
+    if out.is_dir() and any(out.iterdir()):
+        _replaceable(out)
+
+
+def _replaceable(out: Path) -> None:
+    """``--force`` replaces a directory ``data prepare`` wrote, nothing else: its meta.json
+    is ours and it holds only the files prepare writes (a mistyped ``--out ~`` is refused)."""
+    if out.is_symlink():
+        raise ConfigError("--out", str(out), "is a symlink: --force replaces only a directory")
+    why = f"is not a prepared token directory (no {META}): --force replaces only those"
+    try:
+        if read_meta(out) is None:
+            raise ConfigError("--out", str(out), why)
+    except ConfigError as exc:
+        if exc.field == "--out":
+            raise
+        raise ConfigError("--out", str(out), f"{why}; {exc.why}") from None
+    ours = {*FILES.values(), META, TOKENIZER_FILE}
+    stranger = sorted(p.name for p in out.iterdir() if p.name not in ours)
+    if stranger:
+        why = f"holds {stranger[0]!r}, which data prepare does not write: --force refuses it"
+        raise ConfigError("--out", str(out), why)
 
 
 def prepare(options: Options, progress: Progress | None = None) -> dict[str, Any]:
@@ -197,7 +233,7 @@ def prepare(options: Options, progress: Progress | None = None) -> dict[str, Any
     progress = progress or Progress()
 
     def docs() -> Iterator[Document]:
-        return documents(options.source, options.text_field, key="--source")
+        return documents(options.source, options.text_field, key="--source", warn=progress.warn)
 
     if options.tokenizer.startswith("bpe:"):
         progress.say(f"training a byte-level BPE ({options.tokenizer[4:]}) on the train split")
@@ -260,6 +296,7 @@ def _encode(
         "val": {"tokens": val.tokens, "text_bytes": val.text_bytes},
         "eval_fraction": options.eval_fraction,
         "documents": progress.documents,
+        "skipped_files": len(progress.skipped),
         "source": {
             "path": options.source,
             "text_field": options.text_field,

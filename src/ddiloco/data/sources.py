@@ -2,15 +2,16 @@
 Hugging Face dataset directory, a directory of any of these, or a glob.
 
 Each yields :class:`Document` s in a deterministic order (sorted paths, records in file
-order), lazily: a big file is read in pieces cut at line ends, and a dataset row by row, so
-``ddiloco data prepare`` never holds a whole corpus. A directory reads every regular file
-of any suffix except hidden ones (names starting with a dot, e.g. ``.git``) and skips binary
-files (a NUL byte in the first 8000, as git decides) with one warning line each.
+order), lazily: a big file is read in pieces cut at line ends, a long record's text handed
+out in such pieces, and a dataset row by row, so ``ddiloco data prepare`` never holds a whole
+corpus. A directory reads every regular file of any suffix except hidden ones (names
+starting with a dot, e.g. ``.git``) and skips binary files (a NUL byte in the first 8000, as
+git decides) with one warning line each; a directory or a glob never reads beyond its root
+(:mod:`~ddiloco.data.tree`).
 """
 
 from __future__ import annotations
 
-import glob
 import importlib
 import importlib.util
 import json
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ddiloco.data.tree import WILDCARDS, Walk, glob_root
 from ddiloco.errors import ConfigError
 
 BUILTIN = "shakespeare"
@@ -43,7 +45,11 @@ class Document:
 
 
 def _whole(text: str) -> Callable[[], Iterator[str]]:
-    return lambda: iter((text,))
+    """A text held whole, handed out in pieces of about ``PIECE`` characters: what reads it
+    (splitting, encoding) then holds one piece's copies, not the text's (an 85 MB record)."""
+    if len(text) <= PIECE:
+        return lambda: iter((text,))
+    return lambda: iter_line_pieces(text, PIECE)
 
 
 def shakespeare() -> Iterator[Document]:
@@ -83,18 +89,22 @@ def line_break(text: str, start: int, end: int) -> int:
     return i + 1 if i > start else 0
 
 
-def line_pieces(text: str, size: int) -> list[str]:
+def iter_line_pieces(text: str, size: int) -> Iterator[str]:
     """``text`` cut at safe line breaks into pieces of about ``size`` characters (a piece
-    with no safe break in ``4 * size`` is cut there)."""
-    pieces, start = [], 0
+    with no safe break in ``4 * size`` is cut there), one at a time."""
+    start = 0
     while len(text) - start > size:
         cut = line_break(text, start, start + size) or line_break(text, start, start + 4 * size)
         cut = cut or min(start + 4 * size, len(text))
-        pieces.append(text[start:cut])
+        yield text[start:cut]
         start = cut
-    if start < len(text) or not pieces:
-        pieces.append(text[start:])
-    return pieces
+    if start < len(text) or start == 0:
+        yield text[start:]
+
+
+def line_pieces(text: str, size: int) -> list[str]:
+    """:func:`iter_line_pieces` as a list."""
+    return list(iter_line_pieces(text, size))
 
 
 def _text_pieces(path: Path) -> Callable[[], Iterator[str]]:
@@ -126,6 +136,8 @@ def _jsonl(path: Path, field: str, key: str) -> Iterator[Document]:
                 record = json.loads(line)
             except ValueError as exc:
                 raise ConfigError(key, where, f"not JSON: {exc}") from exc
+            except RecursionError:  # (json's C parser recurses: [[[[...]]]] 200,000 deep)
+                raise ConfigError(key, where, "JSON nested too deeply to read") from None
             yield Document(where, _whole(_field(record, field, where, key)))
 
 
@@ -200,35 +212,29 @@ def _file(path: Path, field: str, key: str, warn: Callable[[str], None]) -> Iter
         yield Document(str(path), _text_pieces(path))
 
 
-def _tree(root: Path) -> list[Path]:
-    """Every regular file under ``root``, sorted, none hidden (no part of it starts with '.')."""
-    return sorted(
-        p
-        for p in root.rglob("*")
-        if p.is_file() and not any(part.startswith(".") for part in p.relative_to(root).parts)
-    )
+def warn_stderr(line: str) -> None:
+    print(f"ddiloco: warning: {line}", file=sys.stderr, flush=True)
 
 
-def source_files(source: str, key: str = "data.source") -> list[Path] | None:
-    """The files a path or glob source reads (None for the built-in corpus and datasets)."""
+def source_files(
+    source: str, key: str = "data.source", warn: Callable[[str], None] = warn_stderr
+) -> list[Path] | None:
+    """The files a path or glob source reads (None for the built-in corpus and datasets),
+    none beyond its root (:mod:`~ddiloco.data.tree`)."""
     if source == BUILTIN:
         return None
     path = Path(source)
     if path.is_dir():
-        return None if is_hf_dataset(path) else _tree(path)
+        return None if is_hf_dataset(path) else Walk(path, key, warn).files()
     if path.is_file():
-        return [path]
-    if any(c in source for c in "*?["):
-        found = sorted({Path(p) for p in glob.glob(source, recursive=True)})
-        files = sorted({f for p in found for f in ([p] if p.is_file() else _tree(p))})
+        return [path]  # (named by the user: followed wherever it points)
+    if any(c in source for c in WILDCARDS):
+        root, pattern = glob_root(source)
+        files = Walk(root, key, warn).files(pattern) if root.is_dir() else []
         if not files:
             raise ConfigError(key, source, "the glob matches no files")
         return files
     raise ConfigError(key, source, f"no such file, directory or glob (or use {BUILTIN!r})")
-
-
-def warn_stderr(line: str) -> None:
-    print(f"ddiloco: warning: {line}", file=sys.stderr, flush=True)
 
 
 def documents(
@@ -245,7 +251,7 @@ def documents(
     if path.is_dir() and is_hf_dataset(path):
         yield from _hf_dataset(path, text_field, key)
         return
-    files = source_files(source, key) or []
+    files = source_files(source, key, warn) or []
     if not files:
         raise ConfigError(key, source, "no files in the directory")
     for file in files:

@@ -135,6 +135,9 @@ def json_vocab_size(path: Path) -> int:
         ids += [int(t["id"]) for t in raw.get("added_tokens") or ()]
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise ConfigError("data.source", str(path), f"unreadable tokenizer.json: {exc}") from exc
+    except RecursionError:  # (json's C parser recurses)
+        why = "unreadable tokenizer.json: nested too deeply"
+        raise ConfigError("data.source", str(path), why) from None
     return max(ids, default=-1) + 1
 
 

@@ -60,6 +60,8 @@ class ActionGate:
             else f"actions are off on a non-loopback bind ({bind_host}): "
             "set processes.http_actions = 'on' behind TLS"
         )
+        # (the endpoint's other setting: the names its Host header may carry, status_http)
+        self.hosts = frozenset(h.lower().rstrip(".") for h in config.http_hosts)
         self.counts: Counter[str] = Counter()
         self._requests: queue.SimpleQueue[ActionRequest] = queue.SimpleQueue()
         self._lock = threading.Lock()

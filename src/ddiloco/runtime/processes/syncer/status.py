@@ -18,13 +18,20 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import TYPE_CHECKING, Any
 
 from ddiloco.core.syncer_state import MergeResult
 from ddiloco.errors import ConfigError
 from ddiloco.runtime.processes.syncer.actions import ActionGate, body_of
+from ddiloco.runtime.processes.syncer.status_http import (
+    GuardedHTTPServer,
+    Limits,
+    Refusals,
+    allowed_host,
+)
 from ddiloco.runtime.processes.transport.sockets import parse_address
 
 if TYPE_CHECKING:
@@ -36,14 +43,18 @@ EVALS_KEPT = 500  # points of the eval curve the page draws
 
 
 class StatusBoard:
-    """What the endpoint serves: the latest snapshot, and what it accumulates between them."""
+    """What the endpoint serves: the latest snapshot, and what it accumulates between them.
+    Its JSON and metrics are rendered at most once per snapshot, whatever the requests."""
 
     def __init__(self, run_id: str) -> None:
         self.run_id = run_id
         self._lock = threading.Lock()
         self._snapshot: dict[str, Any] = {"learners": [], "rounds": 0}
+        self._rendered: dict[str, bytes] = {}  # "json" / "metrics" of this snapshot
+        self._generation = 0
         self.last_merged: dict[int, dict[str, float]] = {}  # learner -> its last merged answer
         self.evals: list[tuple[int, float]] = []
+        self.refused = Refusals()  # the endpoint's own refusals (status_http)
 
     def merged(self, result: MergeResult, now: float) -> None:
         for a in result.round.answers:
@@ -60,12 +71,31 @@ class StatusBoard:
             del self.evals[:-EVALS_KEPT]
 
     def publish(self, snapshot: dict[str, Any]) -> None:
+        http = self.refused.snapshot()
         with self._lock:
-            self._snapshot = {**snapshot, "evals": list(self.evals)}
+            self._snapshot = {**snapshot, "evals": list(self.evals), "http": http}
+            self._rendered = {}
+            self._generation += 1
 
     def snapshot(self) -> dict[str, Any]:
         with self._lock:
             return self._snapshot
+
+    def rendered(self, kind: str) -> bytes:
+        """The snapshot as ``json`` or ``metrics`` bytes, rendered by the first request after
+        a publish (outside the lock: a publish never waits for a render)."""
+        with self._lock:
+            body, snapshot, generation = self._rendered.get(kind), self._snapshot, self._generation
+        if body is not None:
+            return body
+        if kind == "json":
+            body = json.dumps(snapshot, sort_keys=True).encode()
+        else:
+            body = prometheus(snapshot).encode()
+        with self._lock:
+            if generation == self._generation:
+                self._rendered[kind] = body
+        return body
 
 
 def snapshot_of(svc: SyncerService, now: float) -> dict[str, Any]:
@@ -153,6 +183,12 @@ def prometheus(snapshot: dict[str, Any]) -> str:
         "Tokens trained and not merged, by reason.",
         [(f'{{reason="{k}"}}', v) for k, v in sorted(wasted.items())],
     )
+    metric(
+        "http_refused",
+        "counter",
+        "Requests and connections the status endpoint refused, by reason.",
+        [(f'{{reason="{k}"}}', v) for k, v in sorted(snapshot.get("http", {}).items())],
+    )
     evals = snapshot.get("evals", [])
     if evals:
         metric("eval_loss", "gauge", "The global model's latest eval loss.", [("", evals[-1][1])])
@@ -160,16 +196,21 @@ def prometheus(snapshot: dict[str, Any]) -> str:
 
 
 class StatusServer:
-    """The endpoint, on a daemon thread, bound to ``address`` (``HOST:PORT``; port 0: free)."""
+    """The endpoint, on a daemon thread, bound to ``address`` (``HOST:PORT``; port 0: free),
+    answering for the hosts of :func:`~.status_http.allowed_host` (``processes.http_hosts``:
+    ``gate.hosts``) within ``limits``."""
 
-    def __init__(self, address: str, board: StatusBoard, gate: ActionGate) -> None:
+    def __init__(
+        self, address: str, board: StatusBoard, gate: ActionGate, limits: Limits | None = None
+    ) -> None:
         host, port = parse_address(address, "processes.http")
-        handler = _handler(board, gate)
+        limits = limits or Limits()
+        names = {host.lower(), *gate.hosts}  # (a name the endpoint was bound by is its own)
+        handler = _handler(board, gate, names, limits)
         try:
-            self.httpd = ThreadingHTTPServer((host, port), handler)
+            self.httpd = GuardedHTTPServer((host, port), handler, limits, board.refused)
         except OSError as exc:
             raise ConfigError("processes.http", address, f"cannot bind: {exc}") from exc
-        self.httpd.daemon_threads = True
         bound_host, bound_port = self.httpd.server_address[:2]
         if isinstance(bound_host, bytes):
             bound_host = bound_host.decode()
@@ -182,26 +223,44 @@ class StatusServer:
         self.httpd.server_close()
 
 
-def _handler(board: StatusBoard, gate: ActionGate) -> type[BaseHTTPRequestHandler]:
+_PATH = re.compile(r"/[!-~]{0,2047}")  # printable ASCII, no space: what the page's paths are
+_LENGTH = re.compile(r"[0-9]{1,4}")  # ASCII digits ("²".isdigit() is true, int("²") raises)
+_MALFORMED = (400, 414, 431, 501, 505)  # what the standard library itself answers
+
+
+def _handler(
+    board: StatusBoard, gate: ActionGate, names: set[str], limits: Limits
+) -> type[BaseHTTPRequestHandler]:
+    page = PAGE.encode()
+    refused = board.refused
+
     class Handler(BaseHTTPRequestHandler):
+        timeout = limits.seconds + 5.0  # (each read's; the server's reaper comes first)
+
         def do_GET(self) -> None:
+            if not self._checked():
+                return
             path = self.path.split("?", 1)[0]
             if path == "/":
-                self._send(200, "text/html; charset=utf-8", PAGE.encode())
+                self._send(200, "text/html; charset=utf-8", page)
             elif path == "/status.json":
-                body = json.dumps(board.snapshot(), sort_keys=True).encode()
-                self._send(200, "application/json", body)
+                self._send(200, "application/json", board.rendered("json"))
             elif path == "/metrics":
-                body = prometheus(board.snapshot()).encode()
+                body = board.rendered("metrics")
                 self._send(200, "text/plain; version=0.0.4; charset=utf-8", body)
             else:
                 self._send(404, "text/plain; charset=utf-8", b"not found\n")
 
         def do_POST(self) -> None:
-            given = self.headers.get("Content-Length") or "0"
-            length = int(given) if given.isdigit() else -1
-            if not 0 <= length <= 4096:  # (an action has no body worth reading)
-                self._send(400, "application/json", body_of({"error": "bad Content-Length"}))
+            if not self._checked():
+                return
+            given = self.headers.get_all("Content-Length") or ["0"]
+            if len(given) != 1 or not _LENGTH.fullmatch(given[0].strip()):
+                self._refuse("malformed", 400, "bad Content-Length")
+                return
+            length = int(given[0])
+            if length > 4096:  # (an action has no body worth reading)
+                self._refuse("malformed", 400, "bad Content-Length")
                 return
             self.rfile.read(length)
             learners = {int(r["learner"]) for r in board.snapshot().get("learners", [])}
@@ -213,16 +272,45 @@ def _handler(board: StatusBoard, gate: ActionGate) -> type[BaseHTTPRequestHandle
                 )
             self._send(code, "application/json", body_of(reply))
 
+        def _checked(self) -> bool:
+            """A printable path and exactly one Host, one the endpoint answers for (else a
+            refusal is sent: 400, or 421 for another site's name: DNS rebinding)."""
+            if not _PATH.fullmatch(self.path):
+                self._refuse("malformed", 400, "bad path")
+                return False
+            hosts = self.headers.get_all("Host") or []
+            verdict = allowed_host(hosts[0], names) if len(hosts) == 1 else None
+            if verdict is None:
+                self._refuse("malformed", 400, "needs one well-formed Host header")
+            elif not verdict:
+                self._refuse("host", 421, "not a host this endpoint answers for")
+            return bool(verdict)
+
+        def _refuse(self, why: str, code: int, message: str) -> None:
+            refused(why, str(self.client_address[0]), f": {message}")
+            self._send(code, "application/json", body_of({"error": message}))
+
         def _send(self, code: int, kind: str, body: bytes) -> None:
+            self.close_connection = True
+            self.request_version = "HTTP/1.0"  # (a status line even to "HTTP/0.9" and 9.9)
             self.send_response(code)
             self.send_header("Content-Type", kind)
             self.send_header("Content-Length", str(len(body)))
             self.send_header("Cache-Control", "no-store")
+            self.send_header("Connection", "close")
             self.end_headers()
             self.wfile.write(body)
 
+        def send_error(
+            self, code: int, message: str | None = None, explain: str | None = None
+        ) -> None:
+            if code in _MALFORMED:  # (the request line or headers did not parse)
+                refused("malformed", str(self.client_address[0]), f": {code} {message}")
+            self.request_version = "HTTP/1.0"
+            super().send_error(code, message, explain)
+
         def log_message(self, format: str, *args: Any) -> None:
-            pass  # (the run's terminal is not an access log)
+            pass  # (the run's terminal is not an access log; refusals are logged above)
 
     return Handler
 
