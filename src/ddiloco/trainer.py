@@ -7,8 +7,8 @@ data-parallel baseline (one replica fed the global batch) share it.
 
 from __future__ import annotations
 
-import copy
 import math
+from copy import deepcopy
 from typing import Any
 
 import torch
@@ -115,11 +115,14 @@ class Trainer:
     def params(self) -> dict[str, torch.Tensor]:
         return dict(self.model.named_parameters())
 
-    def state(self) -> dict[str, Any]:
-        """Everything a newcomer copies from a peer: weights, AdamW moments, step, data position."""
+    def state(self, copy: bool = True) -> dict[str, Any]:
+        """Everything a newcomer copies from a peer: weights, AdamW moments, step, data
+        position. ``copy=False``: the live tensors (3x the parameters' bytes not copied), for
+        a caller done with them before the next step (a save streamed to disk)."""
+        model, optimizer = self.model.state_dict(), self.optimizer.state_dict()
         return {
-            "model": copy.deepcopy(self.model.state_dict()),
-            "optimizer": copy.deepcopy(self.optimizer.state_dict()),
+            "model": deepcopy(model) if copy else model,
+            "optimizer": deepcopy(optimizer) if copy else optimizer,
             "steps": self.steps,
             "position": self.stream.position,
         }

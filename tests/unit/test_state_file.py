@@ -87,3 +87,44 @@ def test_a_learner_that_never_checkpoints_writes_nothing(tmp_path):
     saves = LocalCheckpoints(tmp_path / "x", every=0.0, expected={})
     assert not saves.due()
     assert not (tmp_path / "x").exists()
+
+
+def _forged(path, payload: bytes) -> None:
+    """A file of ``KIND`` holding ``payload`` with a correct length and digest (BLAKE3 is not
+    a secret: anyone who can write the directory can forge one)."""
+    import blake3
+
+    head = KIND.magic + KIND.version.to_bytes(4, "little") + len(payload).to_bytes(8, "little")
+    path.write_bytes(head + blake3.blake3(head + payload).digest() + payload)
+
+
+@pytest.mark.parametrize(
+    ("tensors", "sizes", "why"),
+    [
+        ([["float32", [1 << 40]]], [4 << 40], r"claims \d+ bytes"),  # a 4 TB tensor in a tiny file
+        ([["float32", [2, 3]]], [7], "does not make 7 bytes"),  # shape and size disagree
+        ([["pickle", [1]]], [1], "unknown tensor dtype"),
+    ],
+)
+def test_a_forged_file_with_a_lying_head_is_refused_before_anything_is_allocated(
+    tmp_path, tensors, sizes, why
+):
+    import msgpack
+
+    head = msgpack.packb(
+        {"tree": {"step": 1, "weights": {"__tensor__": 0}}, "tensors": tensors, "sizes": sizes}
+    )
+    path = tmp_path / "s-1.bin"
+    _forged(path, len(head).to_bytes(8, "little") + head + bytes(24))
+    with pytest.raises(CheckpointError, match=why) as err:
+        KIND.read(path)
+    assert str(path) in str(err.value)
+
+
+def test_a_save_streamed_from_live_tensors_is_the_state_at_the_save(tmp_path):
+    live = state(5)
+    staged = KIND.stage(tmp_path, 5, live)  # the caller's thread: its tensors are written
+    live["weights"].add_(100.0)  # training goes on before the save is published
+    path, size = KIND.publish(staged)
+    assert path.stat().st_size == size
+    torch.testing.assert_close(KIND.read(path)["weights"], state(5)["weights"])

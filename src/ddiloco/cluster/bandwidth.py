@@ -15,6 +15,7 @@ leave that term out; ``sustained=True`` adds it, and it is always reported. Pure
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +31,11 @@ REFERENCE_BITS = 16.0  # the published simulator's wire format (bf16)
 
 # The paper's figures (Gbit/s): 5B parameters, bf16, 1 s step, 2 datacenters, 90% utilization.
 PAPER_BANDWIDTH = {"dp": 104.0, "decoupled": 1.7, "decoupled_int4": 0.43}
+# A peer copy (learner/peer.py) moves a learner's state: its fp32 parameters and AdamW's two
+# moments, 12 bytes per parameter (measured: 12.01 on gpt-1m, with the snapshot's head and
+# step counters); not its fragment bases, which the newcomer takes from the copied values.
+SNAPSHOT_BYTES_PER_PARAM = 12.0
+RECOVERY_LINKS = (10.0, 1.0, 0.05)  # Gbit/s: a datacenter, a site's uplink, a slow WAN link
 
 
 @dataclass(frozen=True)
@@ -184,3 +190,20 @@ def plan(
         out["bandwidth_gbit_per_s"] = bandwidth
         out["utilization_at_bandwidth"] = utilization_at(q, bandwidth, sustained)
     return out
+
+
+def recovery(
+    params: float, links_gbit: Sequence[float] = RECOVERY_LINKS, buffer_bytes: float = 0.0
+) -> dict[str, Any]:
+    """What a peer recovery moves (the donor's snapshot, as many bytes in its memory while it
+    serves it) and how long the copy takes on each link, at the link's full rate."""
+    require(params > 0 and math.isfinite(params), "params", params, "must be > 0")
+    for g in links_gbit:
+        require(g > 0 and math.isfinite(g), "link", g, "must be > 0 Gbit/s")
+    nbytes = params * SNAPSHOT_BYTES_PER_PARAM + buffer_bytes
+    return {
+        "params": params,
+        "snapshot_bytes": nbytes,
+        "bytes_per_param": nbytes / params,
+        "links": [{"gbit_per_s": g, "seconds": nbytes * 8 / (g * 1e9)} for g in links_gbit],
+    }

@@ -11,7 +11,14 @@ import argparse
 import json
 from typing import Any
 
-from ddiloco.cluster.bandwidth import METHODS, PAPER_BANDWIDTH, BandwidthQuery, plan
+from ddiloco.cluster.bandwidth import (
+    METHODS,
+    PAPER_BANDWIDTH,
+    RECOVERY_LINKS,
+    BandwidthQuery,
+    plan,
+    recovery,
+)
 
 INT4_BITS = 4.0
 
@@ -59,6 +66,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="also require the link to keep up on average when transfers "
         "overlap (the published figures leave this out)",
     )
+    parser.add_argument(
+        "--recovery",
+        action="store_true",
+        help="instead: the bytes a peer recovery copies and its time on each --link",
+    )
+    parser.add_argument(
+        "--model", help="with --recovery: a model's parameters (e.g. gpt-50m) instead of --params"
+    )
+    parser.add_argument(
+        "--link",
+        type=float,
+        nargs="+",
+        metavar="GBPS",
+        help="with --recovery: link rates in Gbit/s (default: "
+        + " ".join(f"{g:g}" for g in RECOVERY_LINKS)
+        + ")",
+    )
     parser.add_argument("--json", action="store_true", help="print a JSON object")
 
 
@@ -78,6 +102,8 @@ def query(args: argparse.Namespace, method: str, bits: float | None = None) -> B
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.recovery:
+        return run_recovery(args)
     options = {"grid": args.grid, "bandwidth": args.bandwidth, "sustained": args.sustained}
     if args.method is not None:
         result = plan(query(args, args.method), **options)
@@ -139,3 +165,50 @@ def render(rows: list[dict[str, Any]]) -> str:
             "larger --inner-steps.",
         ]
     return "\n".join(lines)
+
+
+def model_size(name: str) -> tuple[float, float]:
+    """A model's parameters and its other state (buffers) in bytes, built on the meta device
+    (nothing allocated)."""
+    import torch
+
+    from ddiloco.models.registry import build_model
+
+    with torch.device("meta"):
+        model = build_model(name)
+    names = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+    extra = sum(
+        t.numel() * t.element_size() for k, t in model.state_dict().items() if k not in names
+    )
+    return float(sum(p.numel() for p in model.parameters())), float(extra)
+
+
+def run_recovery(args: argparse.Namespace) -> int:
+    params, extra = model_size(args.model) if args.model else (args.params, 0.0)
+    result = recovery(params, args.link or RECOVERY_LINKS, extra)
+    if args.model:
+        result["model"] = args.model
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return 0
+    from ddiloco.report.text import table
+
+    gb = result["snapshot_bytes"] / 1e9
+    rows = [[f"{x['gbit_per_s']:g}", duration(x["seconds"])] for x in result["links"]]
+    print(
+        f"peer recovery of {args.model or 'a model'} ({params:.3g} parameters): a snapshot of "
+        f"{gb:.3g} GB\n({result['bytes_per_param']:.1f} bytes/parameter: fp32 weights and "
+        "AdamW's two moments)\n\n"
+        + table(["link (Gbit/s)", "copy time"], rows)
+        + "\n\nThe copy has no deadline, only a stall one (10 s without a chunk); the donor "
+        "keeps\ntraining and holds one copy of its state while it serves it."
+    )
+    return 0
+
+
+def duration(seconds: float) -> str:
+    if seconds < 90:
+        return f"{seconds:.1f} s"
+    if seconds < 5400:
+        return f"{seconds / 60:.1f} min"
+    return f"{seconds / 3600:.1f} h"

@@ -82,6 +82,7 @@ def run(args: argparse.Namespace) -> int:
     require((args.id is None) == args.spare, "--id", args.id, "give a slot, or --spare (not both)")
     who = "spare" if args.spare else args.id
     logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s learner {who} %(message)s")
+    logging.getLogger("ddiloco").setLevel(logging.INFO)  # ours: a peer copy's progress lines
     parse_address(args.syncer, "--syncer")
     config = load_config(args.config, list(args.set))
     torch.set_num_threads(config.processes.threads)  # before the model and data are built

@@ -170,11 +170,12 @@ class LearnerSync:
         self.snapshot_counters[fragment] = (0, 0)
         return True
 
-    def state_dict(self) -> dict[str, object]:
-        """What a newcomer copies from this learner (besides parameters and optimizer state)."""
+    def state_dict(self, copy: bool = True) -> dict[str, object]:
+        """What a newcomer copies from this learner (besides parameters and optimizer state);
+        ``copy=False``: the bases themselves, for a caller done with them before they change."""
         return {
             "versions": list(self.versions),
-            "bases": [[t.clone() for t in frag] for frag in self.bases],
+            "bases": [[t.clone() if copy else t for t in frag] for frag in self.bases],
             "step": self.step,
         }
 

@@ -185,8 +185,9 @@ class Progress:
             self.learners[m] = "copying"
 
     def _on_joined(self, r: dict[str, Any]) -> None:
-        """The syncer let a learner in (all a hand-started syncer hears of its learners)."""
-        self.learners.setdefault(r["learner"], "up")
+        """The syncer let a learner in (all a hand-started syncer hears of its learners):
+        up, whatever it was before (a restart that was DOWN, a slot that was joining)."""
+        self.learners[r["learner"]] = "up"
 
     def _on_operator(self, r: dict[str, Any]) -> None:
         self.say(f"operator at {r['client']}: {r['action']} learner {r['learner']} (status page)")

@@ -4,10 +4,19 @@ Used for what a process needs to carry on after its death, not for the model a u
 (:mod:`ddiloco.checkpoints`): the data-parallel job's rollback checkpoints and a learner's
 local checkpoint (weights, inner optimizer, step, data position, sync state). The layout is a
 magic naming the kind, a format version, the payload length and a BLAKE3 digest of all that and
-the payload, then :func:`~ddiloco.runtime.processes.transport.tree.pack_tree` bytes (msgpack
+the payload, then the tree format of :mod:`~ddiloco.runtime.processes.transport.tree` (msgpack
 plus raw tensors: nothing is unpickled). A save is written to a temp file, fsynced, renamed,
 the directory fsynced, and the newest ``keep`` are kept, so a crash mid-save leaves the last
 one intact. A damaged, truncated, foreign or incomplete file is refused naming the path.
+
+Tensors go between memory and the file one at a time, never through a serialized copy of the
+whole state (issue 28: that copy and its leftovers were 5x a learner's training memory): a
+save streams each tensor's own bytes into the temp file (:meth:`StateFile.stage`, through a
+:class:`~ddiloco.runtime.processes.transport.tree.Layout`: a copy into the page cache, on the
+caller's thread, so the caller may change its tensors once it returns)
+and hashes, fsyncs and renames it after (:meth:`StateFile.publish`, which may run on another
+thread); a read checks the digest in chunks, then reads each tensor's bytes straight into a
+tensor allocated after its size was checked against the file (a ``TreeWriter``).
 """
 
 from __future__ import annotations
@@ -16,13 +25,25 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import blake3
 
 from ddiloco.checkpoints.format import CheckpointError
 from ddiloco.checkpoints.write import fsync
-from ddiloco.runtime.processes.transport.tree import pack_tree, unpack_tree
+from ddiloco.runtime.processes.transport.tree import PREFIX, Layout, TreeWriter
+
+CHUNK = 8 << 20  # bytes hashed (read back) at a time
+
+
+@dataclass(frozen=True)
+class Staged:
+    """A save written to its temp file, not yet hashed, fsynced or renamed."""
+
+    directory: Path
+    step: int
+    tmp: Path
+    size: int  # the whole file's bytes
 
 
 @dataclass(frozen=True)
@@ -61,69 +82,106 @@ class StateFile:
         found = self.saves(directory)
         return found[-1] if found else None
 
-    def encode(self, state: dict[str, Any]) -> bytes:
-        payload = pack_tree(state)
-        head = self.magic + self.version.to_bytes(4, "little") + len(payload).to_bytes(8, "little")
-        return head + blake3.blake3(head + payload).digest() + payload
-
     def write(self, directory: Path, step: int, state: dict[str, Any]) -> tuple[Path, int]:
         """Save ``state`` atomically and keep the newest ``keep``; returns its path and size.
         A failed write (disk full) is a :class:`CheckpointError` naming the file; the earlier
         saves are intact."""
-        return self.write_bytes(directory, step, self.encode(state))
+        return self.publish(self.stage(directory, step, state))
 
-    def write_bytes(self, directory: Path, step: int, data: bytes) -> tuple[Path, int]:
-        """:meth:`write` of what :meth:`encode` returned (encode on one thread, write on
-        another)."""
-        directory.mkdir(parents=True, exist_ok=True)
+    def stage(self, directory: Path, step: int, state: dict[str, Any]) -> Staged:
+        """Stream ``state`` into the save's temp file, one tensor at a time (a device tensor
+        through one host copy of itself); its digest is left zero for :meth:`publish`."""
         path = self.path(directory, step)
         tmp = directory / f".{path.name}.tmp"
+        layout = Layout(state)  # views over the tensors (a device tensor: one host copy)
+        length = layout.size
+        prefix = self.magic + self.version.to_bytes(4, "little") + length.to_bytes(8, "little")
         try:
+            directory.mkdir(parents=True, exist_ok=True)
             with tmp.open("wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-            fsync(directory)
+                f.write(prefix + bytes(32))
+                for part in layout.parts:  # the GIL is released while each is written
+                    f.write(part)
         except OSError as exc:
             tmp.unlink(missing_ok=True)
             raise CheckpointError(path, f"cannot write it: {exc}") from exc
-        for _, old in self.saves(directory)[: -self.keep]:
+        return Staged(directory, step, tmp, self.head + length)
+
+    def publish(self, staged: Staged) -> tuple[Path, int]:
+        """Hash a staged save (read back in chunks), write its digest, fsync it, rename it
+        to its name and keep the newest ``keep``; returns its path and size."""
+        path = self.path(staged.directory, staged.step)
+        n = len(self.magic)
+        try:
+            with staged.tmp.open("r+b") as f:
+                hasher = blake3.blake3(f.read(n + 12))
+                f.seek(self.head)
+                _hash_rest(f, hasher)
+                f.seek(n + 12)
+                f.write(hasher.digest())
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(staged.tmp, path)
+            fsync(staged.directory)
+        except OSError as exc:
+            staged.tmp.unlink(missing_ok=True)
+            raise CheckpointError(path, f"cannot write it: {exc}") from exc
+        for _, old in self.saves(staged.directory)[: -self.keep]:
             old.unlink(missing_ok=True)
-        return path, len(data)
+        return path, staged.size
 
     def read(self, path: Path) -> dict[str, Any]:
         """A save's state after checking every byte; :class:`CheckpointError` naming the file
         if it is missing, truncated, damaged, another kind's or lacks a field."""
         try:
-            data = path.read_bytes()
+            with path.open("rb") as f:
+                state = self._read(path, f)
         except OSError as exc:
             raise CheckpointError(path, f"cannot read it: {exc.strerror or exc}") from None
-        head, n = self.head, len(self.magic)
-        if len(data) < head:
-            raise CheckpointError(path, f"truncated: {len(data)} bytes, shorter than its header")
-        if data[:n] != self.magic:
-            raise CheckpointError(path, f"not a ddiloco {self.what} (bad magic)")
-        version = int.from_bytes(data[n : n + 4], "little")
-        if version != self.version:
-            raise CheckpointError(
-                path, f"format version {version}, this build reads {self.version}"
-            )
-        length = int.from_bytes(data[n + 4 : n + 12], "little")
-        if length != len(data) - head:
-            why = (
-                f"truncated or extended: {len(data) - head} payload bytes, its header says {length}"
-            )
-            raise CheckpointError(path, why)
-        if blake3.blake3(data[: n + 12] + data[head:]).digest() != data[n + 12 : head]:
-            raise CheckpointError(path, "checksum mismatch: the file is damaged")
-        try:
-            state = unpack_tree(memoryview(data)[head:])
-        except Exception as exc:  # a well-checksummed file we cannot decode: another build's
-            raise CheckpointError(path, f"cannot decode it: {exc}") from exc
         if not isinstance(state, dict):
             raise CheckpointError(path, f"a {type(state).__name__}, not a {self.what}'s fields")
         missing = [k for k in self.fields if k not in state]
         if missing:
             raise CheckpointError(path, f"missing fields {missing}")
         return state
+
+    def _read(self, path: Path, f: BinaryIO) -> Any:
+        size = os.fstat(f.fileno()).st_size
+        head, n = self.head, len(self.magic)
+        first = f.read(head)
+        if size < head:
+            raise CheckpointError(path, f"truncated: {size} bytes, shorter than its header")
+        if first[:n] != self.magic:
+            raise CheckpointError(path, f"not a ddiloco {self.what} (bad magic)")
+        version = int.from_bytes(first[n : n + 4], "little")
+        if version != self.version:
+            raise CheckpointError(
+                path, f"format version {version}, this build reads {self.version}"
+            )
+        length = int.from_bytes(first[n + 4 : n + 12], "little")
+        if length != size - head:
+            why = f"truncated or extended: {size - head} payload bytes, its header says {length}"
+            raise CheckpointError(path, why)
+        hasher = blake3.blake3(first[: n + 12])
+        _hash_rest(f, hasher)
+        if hasher.digest() != first[n + 12 : head]:
+            raise CheckpointError(path, "checksum mismatch: the file is damaged")
+        f.seek(head)
+        try:
+            n = int.from_bytes(f.read(PREFIX), "little")
+            writer = TreeWriter(length, n, length, source=self.what)
+            writer.write(PREFIX, f.read(n))
+            writer.write(0, n.to_bytes(PREFIX, "little"))
+            writer.parse_head()
+            writer.fill(f)
+            return writer.tree()
+        except Exception as exc:  # a well-checksummed file we cannot decode: another build's
+            raise CheckpointError(path, f"cannot decode it: {exc}") from exc
+
+
+def _hash_rest(f: BinaryIO, hasher: Any) -> None:
+    """Feed the rest of ``f`` to ``hasher``, a reused chunk at a time."""
+    buf = bytearray(CHUNK)
+    view = memoryview(buf)
+    while n := f.readinto(view):  # type: ignore[attr-defined]
+        hasher.update(view[:n])

@@ -4,9 +4,11 @@ Every ``processes.learner_checkpoint_every`` seconds rank 0 saves what a newcome
 from it (weights, the inner optimizer's moments, the step — the LR schedule's position —, the
 data position, and the sync state: the fragments' base versions), between two steps, to
 ``<run>/processes/learners/learner-<m>/state-<step>.bin`` (:mod:`..state_file`: checked to
-the byte, nothing pickled). The state is packed on the training thread (a consistent copy) and
-written on a thread of its own, one save at a time; a save that comes due while the last is
-still being written is skipped. ``ddiloco train --resume`` starts each learner from its
+the byte, nothing pickled). The state's tensors are streamed into the save's temp file on the
+training thread, between two steps (a consistent save with no copy of the state in memory:
+one costs as much as the training itself, issue 28); hashing, fsync and the rename follow on
+a thread of its own, one save at a time; a save that comes due while the last is still being
+finished is skipped. ``ddiloco train --resume`` starts each learner from its
 newest save; one of another model, method or fragment plan is refused naming the file.
 """
 
@@ -19,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from ddiloco.checkpoints.format import CheckpointError
-from ddiloco.runtime.processes.state_file import StateFile
+from ddiloco.runtime.processes.state_file import Staged, StateFile
 from ddiloco.runtime.run import RunSetup
 
 log = logging.getLogger(__name__)
@@ -87,26 +89,34 @@ class LocalCheckpoints:
         return self.every > 0 and time.monotonic() - self.last >= self.every
 
     def save(self, step: int, state: dict[str, Any]) -> None:
-        """Pack ``state`` now and write it in the background (skipped if a write is on)."""
+        """Stream ``state`` into its file now, and finish the save in the background
+        (skipped if the last one is still being finished)."""
         self.last = time.monotonic()
         if self.thread is not None and self.thread.is_alive():
             self.skipped += 1
             return
-        data = LEARNER_STATE.encode({"identity": self.identity, **state})
+        try:
+            staged = LEARNER_STATE.stage(self.directory, step, {"identity": self.identity, **state})
+        except CheckpointError as exc:  # disk full: training goes on, the failure is said
+            self._failed(exc)
+            return
         self.thread = threading.Thread(
-            target=self._write, args=(step, data), name="learner-checkpoint", daemon=True
+            target=self._publish, args=(staged,), name="learner-checkpoint", daemon=True
         )
         self.thread.start()
 
-    def _write(self, step: int, data: bytes) -> None:
+    def _publish(self, staged: Staged) -> None:
         try:
-            LEARNER_STATE.write_bytes(self.directory, step, data)
-        except CheckpointError as exc:  # disk full: training goes on, the failure is said
-            if str(exc) != self.failed:
-                log.error("learner checkpoint failed: %s", exc)
-            self.failed = str(exc)
+            LEARNER_STATE.publish(staged)
+        except CheckpointError as exc:
+            self._failed(exc)
             return
         self.saved += 1
+
+    def _failed(self, exc: CheckpointError) -> None:
+        if str(exc) != self.failed:
+            log.error("learner checkpoint failed: %s", exc)
+        self.failed = str(exc)
 
     def close(self, timeout: float = 30.0) -> None:
         """Wait for a write under way (a clean stop keeps its last save whole)."""

@@ -1,40 +1,63 @@
-"""Peer recovery: every learner serves a snapshot of its state; a newcomer pulls it in chunks.
+"""Peer recovery, the donor's side: every learner serves snapshots of its state to newcomers.
 
-Owns the snapshot server (a ROUTER thread in each learner) and the client a (re)starting
-learner uses. The server never stops training: it asks the training loop for a snapshot,
-which the loop builds between two steps (:meth:`SnapshotServer.wanted` /
-:meth:`SnapshotServer.provide`), then serves its chunks from memory while training goes
-on. Chunks are authenticated frames like everything else; the whole snapshot is checked
-against its SHA-256 at the end. The server's socket, like the syncer's, lets only holders
-of the run secret complete a handshake (auth.py), and it has a zmq context of its own, so
-its gatekeeper is the only one there. What a snapshot holds (parameters, inner optimizer, step,
-data position, base versions and bases) is the Trainer's and LearnerSync's business.
+Owns the snapshot server (a ROUTER thread in each learner); the newcomer's side is
+peer_copy.py. The server never stops training: it asks the training loop for a snapshot,
+which the loop takes between two steps as cloned tensors (:meth:`SnapshotServer.wanted` /
+:meth:`SnapshotServer.provide`), then serves byte ranges of it straight from those tensors
+(transport/tree.py's :class:`Layout`: no serialized copy) while training goes on, and frees
+it once no requester needs it. A snapshot serves the requesters who ask within
+``SHARE_SECONDS`` of its taking (a burst of restarts shares one clone); a later one gets a
+fresh snapshot, never one left held by a copy that died mid-way minutes ago. Chunks are
+authenticated frames like everything else; the whole stream is checked against its BLAKE3
+digest at the end. The server's socket, like the syncer's, lets only holders of the run
+secret complete a handshake (auth.py), and it has a zmq context of its own, so its
+gatekeeper is the only one there. What a snapshot holds (parameters, inner optimizer, step,
+data position, base versions; not the bases, which a newcomer replaces) is the Trainer's and
+LearnerSync's business.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
 import threading
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 import zmq
 
 from ddiloco.errors import ConfigError, DDiLoCoError
-from ddiloco.runtime.processes.transport.auth import LEARNER_NAME, Gatekeeper, present, serve_plain
+from ddiloco.runtime.processes.transport.auth import LEARNER_NAME, Gatekeeper, serve_plain
 from ddiloco.runtime.processes.transport.sockets import Socket, configure, new_session
+from ddiloco.runtime.processes.transport.tree import PREFIX, Layout
 from ddiloco.runtime.processes.transport.wire import Limits, Wire, WireError
 
 log = logging.getLogger(__name__)
 
-CHUNK_BYTES = 1 << 20
-KEEP_SECONDS = 60.0
+MAX_CHUNK_BYTES = 4 << 20  # the most a server sends for one request
+STALL_SECONDS = 10.0  # a requester hearing nothing for this long gives the donor up
+WAIT_SECONDS = 120.0  # the most a requester waits for a donor's loop to take its snapshot
+IDLE_KEEP_SECONDS = 30.0  # a snapshot nobody asked anything of for this long is freed
+SHARE_SECONDS = 5.0  # a snapshot this young serves a new requester too (a burst of restarts)
+MAX_HELD = 3  # past this many held, a new requester shares the newest whatever its age
+LOOP_ALIVE_SECONDS = 60.0  # a donor whose loop looked this recently sends heartbeats
+HEARTBEAT_SECONDS = 1.0
 
 
 class PeerError(DDiLoCoError):
     """A peer could not deliver its snapshot (gone, frozen, or sent something wrong)."""
+
+
+@dataclass
+class _Held:
+    """A snapshot being served: its stream, digest (once computed) and who is copying it."""
+
+    layout: Layout
+    touched: float
+    taken: float = field(default_factory=time.monotonic)
+    readers: set[int] = field(default_factory=set)
+    digest: str = ""
 
 
 class SnapshotServer(threading.Thread):
@@ -49,11 +72,13 @@ class SnapshotServer(threading.Thread):
         *,
         port: int = 0,
         advertise_host: str | None = None,
+        advertise_port: int = 0,
     ) -> None:
         """Listen on ``bind_host:port`` (port 0: a free one); peers are told to dial
-        ``advertise_host`` (default ``bind_host``), so a learner can listen on 0.0.0.0 and
-        advertise its routable address. A fixed port that is taken is refused, naming it:
-        firewalls and Kubernetes open that port and no other."""
+        ``advertise_host:advertise_port`` (default the bound address), so a learner can
+        listen on 0.0.0.0 and advertise its routable address, or a port that a NAT, a
+        Kubernetes service or a relay forwards. A fixed port that is taken is refused, naming
+        it: firewalls and Kubernetes open that port and no other."""
         super().__init__(name=f"snapshot-server-{learner}", daemon=True)
         self.learner = learner
         self.wire = Wire(run, secret, f"P{learner}", new_session(), Limits(max_payload=1024))
@@ -77,58 +102,96 @@ class SnapshotServer(threading.Thread):
                 why += " (another process holds it: stop that one, or choose another; 0: any)"
                 raise ConfigError("--peer-port", port, why) from None
             raise ConfigError("--peer-bind", bind_host, why) from None
-        self.address = f"{advertise_host or bind_host}:{port}"
+        self.port = port
+        self.address = f"{advertise_host or bind_host}:{advertise_port or port}"
         self._want = threading.Event()
         self._lock = threading.Lock()
-        self._waiting: list[bytes] = []  # requesters waiting for the next snapshot
-        self._blobs: dict[int, tuple[bytes, str, float]] = {}  # id -> blob, digest, made at
+        self._waiting: dict[int, tuple[bytes, float]] = {}  # request -> ident, asked at
+        self._held: dict[int, _Held] = {}
         self._next_id = 0
+        self._polled = -1e9  # when the training loop last looked at `wanted`
         self._closing = threading.Event()
         self.served = 0
 
     @property
     def wanted(self) -> bool:
+        self._polled = time.monotonic()  # the loop is alive: waiting requesters are told so
         return self._want.is_set()
 
-    def provide(self, blob: bytes) -> None:
-        """Called by the training loop, between two steps, when :attr:`wanted`."""
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of snapshots held now (for tests and logs)."""
+        with self._lock:
+            return sum(h.layout.size for h in self._held.values())
+
+    def provide(self, state: Any) -> None:
+        """Called by the training loop, between two steps, when :attr:`wanted`, with a state
+        of tensors nobody else writes (clones): they are served as they are. The digest is
+        computed on a thread of its own (BLAKE3 releases the GIL), not in the loop."""
+        held = _Held(Layout(state), time.monotonic())
         with self._lock:
             self._next_id += 1
-            self._blobs[self._next_id] = (blob, hashlib.sha256(blob).hexdigest(), time.time())
+            self._held[self._next_id] = held
             self._want.clear()
+        threading.Thread(target=self._digest, args=(held,), daemon=True).start()
+
+    @staticmethod
+    def _digest(held: _Held) -> None:
+        held.digest = held.layout.digest()
 
     def close(self) -> None:
         self._closing.set()
         self.join(timeout=2.0)
 
     def run(self) -> None:
-        announced = 0
+        beat = 0.0
         while not self._closing.is_set():
-            if self.sock.poll(50):
+            for _ in range(64):  # drain a burst, then do the bookkeeping
+                if not self.sock.poll(50 if _ == 0 else 0):
+                    break
                 try:
                     frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
                     self._handle(frames)
                 except zmq.Again:
-                    pass
-            with self._lock:
-                newest = self._next_id
-                for sid in [
-                    s
-                    for s, (_, _, made) in self._blobs.items()
-                    if time.time() - made > KEEP_SECONDS and s != newest
-                ]:
-                    del self._blobs[sid]
-            if newest != announced and self._waiting:
-                blob, digest, _ = self._blobs[newest]
-                chunks = -(-len(blob) // CHUNK_BYTES)
-                meta = {"id": newest, "size": len(blob), "chunks": chunks, "sha256": digest}
-                for ident in self._waiting:
-                    self._reply(ident, "snap_meta", meta)
-                self._waiting.clear()
-                announced = newest
+                    break
+                except (KeyError, TypeError, ValueError) as exc:  # a peer's malformed meta
+                    log.warning("snapshot server %d: refused a request: %s", self.learner, exc)
+            now = time.monotonic()
+            self._expire(now)
+            if self._waiting and now - beat >= HEARTBEAT_SECONDS:
+                beat = now
+                if now - self._polled < LOOP_ALIVE_SECONDS:  # the snapshot is coming
+                    for ident, _ in list(self._waiting.values()):
+                        self._reply(ident, "snap_wait", {})
         self.sock.close(0)
         self.gate.close()
         self.ctx.term()
+
+    def _expire(self, now: float) -> None:
+        """Announce to each waiter the newest snapshot if it was taken since they asked (a
+        newcomer is never handed one held from before; one that waits on asks the loop
+        again); free one no requester touched for IDLE_KEEP_SECONDS (one whose requesters
+        all said done is freed at once)."""
+        with self._lock:
+            for sid in [s for s, h in self._held.items() if now - h.touched > IDLE_KEEP_SECONDS]:
+                del self._held[sid]
+            for req in [r for r, (_, at) in self._waiting.items() if now - at > WAIT_SECONDS]:
+                del self._waiting[req]
+            if not self._waiting:
+                self._want.clear()  # nobody waits any more: no snapshot for nobody
+            newest = self._held.get(self._next_id)
+        for req, (ident, at) in list(self._waiting.items()):
+            if newest is not None and newest.taken >= at:
+                self._announce(ident, req, self._next_id, newest)
+                del self._waiting[req]
+        if self._waiting:
+            self._want.set()
+
+    def _announce(self, ident: bytes, req: int, sid: int, held: _Held) -> None:
+        held.readers.add(req)
+        held.touched = time.monotonic()
+        head = held.layout.head_end - PREFIX
+        self._reply(ident, "snap_meta", {"id": sid, "size": held.layout.size, "head": head})
 
     def _handle(self, frames: list[zmq.Frame]) -> None:
         if len(frames) < 2:
@@ -137,20 +200,42 @@ class SnapshotServer(threading.Thread):
             msg = self.wire.decode([f.buffer for f in frames[1:]])
         except WireError:
             return
-        ident = frames[0].bytes
-        if msg.kind == "snap_begin":
-            self._waiting.append(ident)
-            self._want.set()
-        elif msg.kind == "snap_chunk":
-            sid, index = int(msg.header.meta["id"]), int(msg.header.meta["index"])
+        ident, meta = frames[0].bytes, msg.header.meta
+        if msg.kind == "snap_ping":
+            self._reply(ident, "snap_pong", {})
+            return
+        if msg.kind == "snap_begin":  # a fresh held snapshot serves a late requester too
+            req = int(meta["req"])
             with self._lock:
-                held = self._blobs.get(sid)
-            if held is None:
-                self._reply(ident, "snap_gone", {"id": sid})
-                return
-            chunk = memoryview(held[0])[index * CHUNK_BYTES : (index + 1) * CHUNK_BYTES]
-            self._reply(ident, "snap_data", {"id": sid, "index": index}, chunk)
-            self.served += chunk.nbytes
+                sid = self._next_id
+                held = self._held.get(sid)
+                full = len(self._held) >= MAX_HELD  # (a flood of requests: memory bounded)
+            fresh = held is not None and time.monotonic() - held.taken < SHARE_SECONDS
+            if held is not None and (fresh or full):
+                self._announce(ident, req, sid, held)
+            else:
+                self._waiting[req] = (ident, time.monotonic())
+                self._want.set()
+            return
+        sid = int(meta["id"])
+        with self._lock:
+            held = self._held.get(sid)
+            if held is not None:
+                held.touched = time.monotonic()
+                if msg.kind == "snap_done":
+                    held.readers.discard(int(meta["req"]))
+                    if not held.readers:
+                        del self._held[sid]
+                    return
+        if held is None:
+            self._reply(ident, "snap_gone", {"id": sid})
+        elif msg.kind == "snap_chunk":
+            offset, length = int(meta["off"]), min(int(meta["len"]), MAX_CHUNK_BYTES)
+            chunk = held.layout.read(offset, length)  # a view of the tensors: no copy
+            self._reply(ident, "snap_data", {"id": sid, "off": offset}, chunk)
+            self.served += len(chunk)
+        elif msg.kind == "snap_sum":  # "" until the digest thread is done
+            self._reply(ident, "snap_sum", {"id": sid, "blake3": held.digest})
 
     def _reply(
         self, ident: bytes, kind: str, meta: dict[str, Any], payload: bytes | memoryview = b""
@@ -158,52 +243,3 @@ class SnapshotServer(threading.Thread):
         parts = self.wire.encode(kind, learner=self.learner, meta=meta, payload=payload)
         with contextlib.suppress(zmq.ZMQError):
             self.sock.send_multipart([ident, *parts], zmq.NOBLOCK, copy=False)
-
-
-def fetch_snapshot(
-    address: str, run: str, secret: bytes, learner: int, *, timeout: float = 20.0, window: int = 4
-) -> bytes:
-    """Pull a peer's snapshot in chunks (``window`` in flight); raise :class:`PeerError`."""
-    wire = Wire(run, secret, f"R{learner}", new_session(), Limits(max_payload=2 * CHUNK_BYTES))
-    ctx: zmq.Context[Socket] = zmq.Context.instance()
-    sock = ctx.socket(zmq.DEALER)
-    configure(sock, wire.limits)
-    present(sock, secret, run, f"L{learner}")
-    sock.connect(f"tcp://{address}")
-    deadline = time.monotonic() + timeout
-
-    def receive(kind: str) -> tuple[dict[str, Any], memoryview]:
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0 or not sock.poll(int(left * 1000)):
-                raise PeerError("peer", address, f"no {kind} within {timeout:.0f}s")
-            try:
-                msg = wire.decode([f.buffer for f in sock.recv_multipart(copy=False)])
-            except WireError:
-                continue
-            if msg.kind == "snap_gone":
-                raise PeerError("peer", address, "the snapshot expired")
-            if msg.kind == kind:
-                return msg.header.meta, msg.payload
-
-    try:
-        sock.send_multipart(wire.encode("snap_begin", learner=learner))
-        meta, _ = receive("snap_meta")
-        sid, size, chunks = int(meta["id"]), int(meta["size"]), int(meta["chunks"])
-        blob = bytearray(size)
-        asked, got = 0, 0
-        while got < chunks:
-            while asked < chunks and asked - got < window:
-                sock.send_multipart(
-                    wire.encode("snap_chunk", learner=learner, meta={"id": sid, "index": asked})
-                )
-                asked += 1
-            part_meta, data = receive("snap_data")
-            index = int(part_meta["index"])
-            blob[index * CHUNK_BYTES : index * CHUNK_BYTES + data.nbytes] = data
-            got += 1
-        if hashlib.sha256(blob).hexdigest() != meta["sha256"]:
-            raise PeerError("sha256", address, "the snapshot does not match its digest")
-        return bytes(blob)
-    finally:
-        sock.close(0)

@@ -40,7 +40,8 @@ from ddiloco.runtime.processes.learner.local_checkpoint import (
     identity,
     load_latest,
 )
-from ddiloco.runtime.processes.learner.peer import PeerError, SnapshotServer, fetch_snapshot
+from ddiloco.runtime.processes.learner.peer import SnapshotServer
+from ddiloco.runtime.processes.learner.peer_copy import copy_from_peers
 from ddiloco.runtime.processes.learner.ranks import Apply, RankGroup
 from ddiloco.runtime.processes.terminate import on_terminate
 from ddiloco.runtime.processes.transport.events import Events
@@ -129,6 +130,7 @@ class LearnerProcess:
             learner,
             sync.codec_spec(),
             shapes,
+            silence_seconds=config.processes.detect_seconds,  # as long as the syncer waits
             beat_seconds=min(1.0, config.processes.detect_seconds / 4),
             give_up_seconds=config.processes.give_up_seconds,
         )
@@ -212,7 +214,7 @@ class LearnerProcess:
                 self.link.bye()
                 self.events("leave", learner=self.m)
             if self.saves.every > 0:  # a stopped run resumes from where it stopped
-                self.saves.save(self.sync.step, self.snapshot_state())
+                self.saves.save(self.sync.step, self.snapshot_state(copy=False))
         finally:
             self.saves.close()
             self.events(
@@ -287,7 +289,7 @@ class LearnerProcess:
         if wait and not stop:
             stop = self.wait_for_merge()
         if self.saves.due() and not stop:
-            self.saves.save(self.sync.step, self.snapshot_state())
+            self.saves.save(self.sync.step, self.snapshot_state(copy=False))
         return not stop
 
     def report(self, tokens: int) -> None:
@@ -333,8 +335,8 @@ class LearnerProcess:
             for p, version, values in applies:
                 self.sync.apply(p, version, values, params)
         if self.ranks.leader:
-            if self.server.wanted:
-                self.server.provide(self.snapshot())
+            if self.server.wanted:  # cloned tensors, served as they are (no blob)
+                self.server.provide(self.snapshot_state(peer=True))
             self.link.status = self.status()
         return stop, wait
 
@@ -382,12 +384,19 @@ class LearnerProcess:
             self.sync.load_peer_state(state["sync"], self.trainer.params())
         self.sync.incarnation = self.incarnation
 
-    def snapshot_state(self) -> dict[str, Any]:
-        """Everything a newcomer copies (docs/design.md §5.1); taken between two steps."""
-        return {"trainer": self.trainer.state(), "sync": self.sync.state_dict(), "learner": self.m}
+    def snapshot_state(self, peer: bool = False, copy: bool = True) -> dict[str, Any]:
+        """Everything a newcomer copies (docs/design.md §5.1); taken between two steps.
+        ``peer``: without the bases, which a newcomer replaces by the values it copied
+        (LearnerSync.load_peer_state): a quarter of the bytes, sent for nothing. ``copy=False``:
+        the live tensors, for a caller done with them before the next step (a local save
+        streamed to disk: no second copy of the state in memory)."""
+        sync = self.sync.state_dict(copy=copy and not peer)
+        if peer:
+            del sync["bases"]
+        return {"trainer": self.trainer.state(copy=copy), "sync": sync, "learner": self.m}
 
     def snapshot(self) -> bytes:
-        return pack_tree(self.snapshot_state())
+        return pack_tree(self.snapshot_state(copy=False))  # pack_tree copies
 
     # -- recovery ---------------------------------------------------------------------------
     def resume_local(self) -> bool:
@@ -412,18 +421,17 @@ class LearnerProcess:
     def recover(self, kind: str = "recovered") -> None:
         """Copy a healthy peer (nobody pauses), else start from the syncer's fragments;
         ``kind``: the event that says so (``caught_up``: a late first start)."""
-        peers = self.link.request_peers(timeout=30.0)
-        for pid, address in peers.items():  # the syncer's order: the furthest trained first
-            try:
-                # a peer that died since the syncer last heard of it never answers: 10 s
-                blob = fetch_snapshot(address, self.run_id, self.secret, self.m, timeout=10.0)
-            except PeerError as exc:
-                log.warning("learner %d: peer %s failed: %s", self.m, pid, exc)
-                continue
-            self.load(blob)
-            self.bytes_peer += len(blob)
+        peers = self.link.request_peers(timeout=30.0)  # the furthest trained first
+        # no deadline for the whole copy (16 GB at 1B parameters), only for a stall; a
+        # snapshot far larger than ours (params, two moments, bases) is refused unallocated
+        limit = 2 * (self.trainer.state_bytes() + self.sync.plan.total_bytes) + (64 << 20)
+        copied = copy_from_peers(peers, self.run_id, self.secret, self.m, max_bytes=limit)
+        if copied is not None:
+            pid, copy = copied
+            self.adopt(copy.tree)
+            self.bytes_peer += copy.nbytes
             self.link.register(self.status())
-            self.events(kind, learner=self.m, peer=int(pid), bytes=len(blob), step=self.sync.step)
+            self.events(kind, learner=self.m, peer=int(pid), bytes=copy.nbytes, step=self.sync.step)
             return
         # nobody to copy: the syncer's global fragments, fresh inner state, the global step
         self.link.register(self.status())
