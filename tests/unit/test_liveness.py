@@ -99,3 +99,18 @@ def test_a_link_whose_syncer_stopped_beating_notices_the_silence(linked):
     time.sleep(1.5 + 1.0)
     assert link.reconnects >= 1  # silence noticed: it reconnected and says hello again
     assert link.state is LinkState.HELLO
+
+
+def test_a_link_told_to_stop_takes_the_syncers_silence_as_the_end_not_a_failure(linked):
+    conn, link = linked
+    conn.send(0, "stop")
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and link.state is not LinkState.STOPPED:
+        time.sleep(0.02)
+    assert link.state is LinkState.STOPPED and link.stopped.is_set()
+    conn.beats = {}  # the syncer closes once the run is over; the learner finishes its step
+    time.sleep(1.5 + 1.0)
+    assert link.reconnects == 0 and link.state is LinkState.STOPPED
+    link.register({"inc": 1, "step": 0, "versions": [0], "peer": ""})  # final: no hello
+    time.sleep(0.2)
+    assert link.state is LinkState.STOPPED

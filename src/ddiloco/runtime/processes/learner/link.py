@@ -19,7 +19,10 @@ machine) is measured and said (:attr:`SyncerLink.longest_gap`).
 The link is always in one :class:`LinkState`: UNREGISTERED (started; the training thread
 has not asked for a hello yet), HELLO (saying hello, with capped backoff, until a welcome),
 LIVE (welcomed by the current syncer life; a rehello, a new syncer session or a silence sends
-it back to HELLO), FAILED (the learner must stop; :attr:`SyncerLink.fatal` says why). The
+it back to HELLO), STOPPED (the syncer said ``stop``: the run is over, and the syncer closes
+its socket while this learner finishes its step; its silence then is no reason to reconnect),
+FAILED (the learner must stop; :attr:`SyncerLink.fatal` says why). STOPPED and FAILED are
+final. The
 training thread hands it typed messages (:class:`Progress`, :class:`Push`, :class:`Hello`,
 :class:`Bye`, :class:`AskPeers`) through one queue, so their order is kept.
 
@@ -72,6 +75,7 @@ class LinkState(Enum):
     UNREGISTERED = "unregistered"
     HELLO = "hello"
     LIVE = "live"
+    STOPPED = "stopped"
     FAILED = "failed"
 
 
@@ -148,8 +152,8 @@ class SyncerLink(threading.Thread):
         self.status: dict[str, Any] = {}  # what a hello says; replaced by the training thread
         self.state = LinkState.UNREGISTERED
         self.welcome: dict[str, Any] | None = None
-        self.welcomed = threading.Event()  # set in LIVE and FAILED: whoever waits, wakes
-        self.stopped = threading.Event()
+        self.welcomed = threading.Event()  # set in LIVE, STOPPED, FAILED: whoever waits, wakes
+        self.stopped = threading.Event()  # set in STOPPED
         self.asked_to_leave = threading.Event()
         self.finishing = threading.Event()  # a final ask came: the syncer's final rounds
         self._closing = threading.Event()
@@ -287,18 +291,20 @@ class SyncerLink(threading.Thread):
         self._enter(LinkState.FAILED)  # whoever waits for a welcome wakes: there is none
 
     def _enter(self, state: LinkState) -> None:
-        """The one place the state changes (and the welcome event follows it)."""
-        if self.state is LinkState.FAILED:
+        """The one place the state changes (and the events follow it)."""
+        if self.state in (LinkState.STOPPED, LinkState.FAILED):
             return  # final
         self.state = state
-        if state in (LinkState.LIVE, LinkState.FAILED):
+        if state is LinkState.STOPPED:
+            self.stopped.set()
+        if state in (LinkState.LIVE, LinkState.STOPPED, LinkState.FAILED):
             self.welcomed.set()
         else:
             self.welcomed.clear()
 
     def _rehello(self) -> None:
         """Back to saying hello (if registered): the syncer does not know this life."""
-        if self.state is not LinkState.UNREGISTERED:
+        if self.state in (LinkState.HELLO, LinkState.LIVE):
             self._enter(LinkState.HELLO)
             self._hello()
 
@@ -362,6 +368,8 @@ class SyncerLink(threading.Thread):
             elif isinstance(item, Progress):
                 self._progress(item.meta)
             elif isinstance(item, Hello):
+                if self.state in (LinkState.STOPPED, LinkState.FAILED):
+                    continue  # final: the run is over, or this learner must stop
                 if self.state is not LinkState.LIVE:
                     self._enter(LinkState.HELLO)
                 self._hello()
@@ -467,8 +475,8 @@ class SyncerLink(threading.Thread):
             self._rehello()
         elif h.kind == "peers":
             self._peers.put(h.meta.get("peers", {}))
-        elif h.kind == "stop":
-            self.stopped.set()
+        elif h.kind == "stop":  # the run is over: nothing more comes, nothing more is said
+            self._enter(LinkState.STOPPED)
         elif h.kind == "leave":  # an operator's, from the status page: a clean leave
             log.warning("learner %d: asked to leave by %s", self.learner, _why(h.meta))
             self.asked_to_leave.set()
