@@ -22,6 +22,7 @@ timeline with ``--timeline``). Targets (issue 28): learner <= 1.5x the plain loo
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -142,6 +143,33 @@ def plain_loop(overrides: list[str], steps: int) -> None:
     print(json.dumps({**status_kib(os.getpid()), "params": params, "step_seconds": seconds}))
 
 
+def runtime_baseline() -> None:
+    """Runs in a child process: the syncer's imports and nothing else (torch, the runtime);
+    prints its peak, what every process pays before it holds a tensor."""
+    import torch
+
+    import ddiloco.runtime.processes.syncer.service  # noqa: F401
+    from ddiloco.config import load_config
+    from ddiloco.runtime.run import RunSetup  # noqa: F401
+
+    torch.set_num_threads(load_config(None, []).processes.threads)
+    print(json.dumps(status_kib(os.getpid())))
+
+
+def shm_bytes(skip: set[str]) -> int:
+    """Bytes in this user's ddiloco directories under /dev/shm but ``skip`` (other runs')."""
+    from ddiloco.runtime.processes.transport.shm import SHM_ROOT
+
+    total = 0
+    for run_dir in SHM_ROOT.glob(f"ddiloco-{os.getuid()}-*"):
+        if run_dir.name in skip:
+            continue
+        for slot in run_dir.glob("*"):
+            with contextlib.suppress(OSError):
+                total += slot.stat().st_size
+    return total
+
+
 # -- (b), (c) a processes run ----------------------------------------------------------------
 def processes_run(overrides: list[str], out: Path, timeline: bool) -> dict[str, Any]:
     """``ddiloco train --runtime processes``; every child's peak (KiB) by role, and the run's
@@ -160,13 +188,18 @@ def processes_run(overrides: list[str], out: Path, timeline: bool) -> dict[str, 
     argv += ["--out", str(out / "run")]
     for item in overrides:
         argv += ["--set", item]
+    from ddiloco.runtime.processes.transport.shm import SHM_ROOT
+
+    others = {d.name for d in SHM_ROOT.glob(f"ddiloco-{os.getuid()}-*")}
     started = time.monotonic()
     proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     polled: dict[int, dict[str, Any]] = {}
+    shm_peak = [0]
     stop = threading.Event()
 
     def poll() -> None:
         while not stop.is_set():
+            shm_peak[0] = max(shm_peak[0], shm_bytes(others))
             for pid in descendants(proc.pid):
                 kib = status_kib(pid)
                 if not kib:
@@ -194,7 +227,7 @@ def processes_run(overrides: list[str], out: Path, timeline: bool) -> dict[str, 
         held = peaks.setdefault(name, {"VmHWM": 0, "samples": []})
         held["VmHWM"] = max(held["VmHWM"], rec.get("VmHWM", 0))
         held["at_exit"] = True
-    return {"peaks": peaks, "seconds": time.monotonic() - started}
+    return {"peaks": peaks, "seconds": time.monotonic() - started, "shm": shm_peak[0]}
 
 
 def main() -> None:
@@ -207,9 +240,13 @@ def main() -> None:
     parser.add_argument("--set", action="append", default=[], help="more config overrides")
     parser.add_argument("--timeline", action="store_true", help="print each child's RSS (MiB)")
     parser.add_argument("--plain-child", help=argparse.SUPPRESS)
+    parser.add_argument("--baseline-child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.plain_child:
         plain_loop(json.loads(args.plain_child), args.steps)
+        return
+    if args.baseline_child:
+        runtime_baseline()
         return
     overrides = [
         f"model={args.model!r}",
@@ -229,6 +266,10 @@ def main() -> None:
     if done.returncode != 0:
         raise SystemExit(f"the plain loop failed:\n{done.stderr[-3000:]}")
     plain = json.loads(done.stdout.strip().splitlines()[-1])
+    done = subprocess.run([*child[:2], "--baseline-child"], env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"the runtime baseline failed:\n{done.stderr[-3000:]}")
+    runtime = json.loads(done.stdout.strip().splitlines()[-1])["VmHWM"] / 1024
     with tempfile.TemporaryDirectory(prefix="bench-memory-") as tmp:
         run = processes_run(overrides, Path(tmp), args.timeline)
     mib = 1 / 1024
@@ -241,14 +282,20 @@ def main() -> None:
     print("\n| process | peak RSS (MiB) | ratio | target |\n|---|---|---|---|")
     base = plain["VmHWM"] * mib
     print(f"| plain AdamW loop, {args.steps} steps | {base:.0f} | 1.00 | |")
+    print(f"| runtime alone (python + torch + ddiloco imported) | {runtime:.0f} | | |")
     for name, peak in sorted(run["peaks"].items()):
         value = peak["VmHWM"] * mib
         if name.startswith("learner"):
             print(f"| {name} | {value:.0f} | {value / base:.2f} x plain | <= 1.5 |")
         elif name.startswith("syncer"):
-            print(f"| {name} | {value:.0f} | {value / fp32:.2f} x fp32 model | <= 3 |")
+            net = (value - runtime) / fp32
+            print(
+                f"| {name} | {value:.0f} | {value / fp32:.2f} x fp32 model; above the runtime: "
+                f"{net:.2f} x | <= 3 |"
+            )
         else:
             print(f"| {name} | {value:.0f} | | |")
+    print(f"| /dev/shm slots of the run (in no process's RSS) | {run['shm'] / 2**20:.0f} | | |")
     if args.timeline:
         for name, peak in sorted(run["peaks"].items()):
             every = max(1, len(peak["samples"]) // 40)  # about 40 readings each

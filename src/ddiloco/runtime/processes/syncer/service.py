@@ -221,22 +221,24 @@ class SyncerService:
 
     def final_rounds(self) -> None:
         """At the budget: every live learner is asked for every fragment once more (a final
-        ask: it stops stepping until the stop), and each final round merges when all of them
-        have answered, or after ``processes.final_round_seconds`` with what came."""
+        ask: it stops stepping until the stop), one fragment after the other, and each final
+        round merges when all of them have answered, or once ``processes.final_round_seconds``
+        (for all of them) have passed, with what came."""
         seconds = self.config.processes.final_round_seconds
         if seconds <= 0 or not self.syncer.policy.progress:
             return
         started = self.events.now()
         merged = self.syncer.counts.get("merged_rounds", 0)
-        for rnd in self.syncer.finish(started, started + seconds):
-            self.ask(rnd, rnd.asked)
-        asked_at = time.monotonic()
+        self.syncer.finish(started, started + seconds)
+        asked: dict[int, tuple[Round, float]] = {}  # learner -> the round it was asked, when
         while not self.syncer.finished and not self.stop.is_set():
+            now = time.monotonic()
+            for m, rnd in self.next_final_asks().items():
+                last = asked.get(m)  # asked again after a while: an ask lost on the way
+                if last is None or last[0] is not rnd or now - last[1] >= FINAL_ASK_SECONDS:
+                    asked[m] = (rnd, now)
+                    self.ask(rnd, [m])
             self.turn(self.config.train.tokens, finishing=True)
-            if time.monotonic() - asked_at >= FINAL_ASK_SECONDS:  # an ask lost on the way
-                asked_at = time.monotonic()
-                for rnd in self.syncer.policy.open.values():
-                    self.ask(rnd, rnd.asked - rnd.finally_answered)
         took = self.events.now() - started
         if took >= seconds:
             log.warning(
@@ -250,6 +252,17 @@ class SyncerService:
             merged=self.syncer.counts.get("merged_rounds", 0) - merged,
             fragments=self.plan.num_fragments,
         )
+
+    def next_final_asks(self) -> dict[int, Round]:
+        """Each learner's next final ask: the first open final round it still owes. One
+        fragment at a time, each learner at its own pace: the answers held here are M
+        fragments, not the M models that asking every fragment at once gathered (issue 28),
+        and a slow or silent learner holds up no other learner's answers."""
+        owed: dict[int, Round] = {}
+        for rnd in sorted(self.syncer.policy.open.values(), key=lambda r: r.fragment):
+            for m in rnd.asked - rnd.finally_answered:
+                owed.setdefault(m, rnd)
+        return owed
 
     def ask(self, rnd: Round, learners: Iterable[int]) -> None:
         """Ask ``learners`` for an answer in ``rnd`` (a final round's ask says so)."""

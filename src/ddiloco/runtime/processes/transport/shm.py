@@ -13,12 +13,16 @@ turn, so the previous message for a key stays readable while the next is written
 restarted process overwrites its former life's files instead of leaking new ones. A slot
 starts with a 24-byte stamp (session, sequence, length) written last, checked before and after
 the reader's copy (a seqlock). The launcher removes the run's directory at the end.
+
+Both sides use positional writes and reads (``pwrite``, ``preadv``), never a mapping: a mapped
+slot's touched pages count in the process's resident memory, so a syncer that mapped every
+learner's answer slots and its own broadcast slots held several model copies' worth of
+shared pages on top of its own (issue 28). The bytes live once, in the tmpfs file.
 """
 
 from __future__ import annotations
 
 import contextlib
-import mmap
 import os
 import re
 import shutil
@@ -76,20 +80,33 @@ def _own_directory(path: Path, create: bool) -> bool:
 class _Slot:
     def __init__(self, path: Path) -> None:
         self.fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-        self.map: mmap.mmap | None = None
+        self.size = 0
         self.digest = b""
         self.ref = b""
 
-    def reserve(self, size: int) -> mmap.mmap:
-        if self.map is None or len(self.map) < size:
-            if self.map is not None:
-                self.map.close()
-                self.map = None
-            size = max(size, os.fstat(self.fd).st_size)  # never shrink: a reader's map of
-            os.ftruncate(self.fd, size)  # the old length would fault (SIGBUS) past the end
-            os.posix_fallocate(self.fd, 0, size)  # a full /dev/shm: ENOSPC here, not SIGBUS
-            self.map = mmap.mmap(self.fd, size)
-        return self.map
+    def reserve(self, size: int) -> None:
+        if self.size < size:
+            size = max(size, os.fstat(self.fd).st_size)  # never shrink under a reader
+            os.ftruncate(self.fd, size)
+            os.posix_fallocate(self.fd, 0, size)  # a full /dev/shm: ENOSPC here
+            self.size = size
+
+    def write(self, offset: int, data: bytes | memoryview) -> None:
+        view = memoryview(data).cast("B")
+        while view.nbytes:  # (a regular file takes it whole; a short write is retried)
+            n = os.pwrite(self.fd, view, offset)
+            view, offset = view[n:], offset + n
+
+
+def _read_into(fd: int, buffer: bytearray, offset: int) -> int:
+    """Fill ``buffer`` from ``fd`` at ``offset``; the bytes read (fewer: the file is shorter)."""
+    view, got = memoryview(buffer), 0
+    while got < len(buffer):
+        n = os.preadv(fd, [view[got:]], offset + got)
+        if n == 0:
+            break
+        got += n
+    return got
 
 
 class ShmWriter:
@@ -136,20 +153,20 @@ class ShmWriter:
                 break
         else:
             return None  # both slots hold messages not yet acknowledged: send inline
-        held = sum(len(s.map) for s in self._slots.values() if s.map is not None)
-        if held - (len(slot.map) if slot and slot.map else 0) + STAMP.size + n > self.max_bytes:
+        held = sum(s.size for s in self._slots.values())
+        if held - (slot.size if slot else 0) + STAMP.size + n > self.max_bytes:
             return None
         try:
             if slot is None:
                 if not _own_directory(self.dir, create=True):  # (another sender's close may
                     return None  # have removed the empty directory; never trust a foreign one)
                 slot = self._slots[name] = _Slot(self.dir / f"{self.sender}-{name}")
-            area = slot.reserve(STAMP.size + n)
+            slot.reserve(STAMP.size + n)
+            slot.write(0, STAMP.pack(self.session, 0, n))  # readers now see "being written"
+            slot.write(STAMP.size, payload)
+            slot.write(0, STAMP.pack(self.session, seq + 1, n))
         except OSError:  # no room in /dev/shm (or the directory went away): send inline
             return None
-        STAMP.pack_into(area, 0, self.session, 0, n)  # readers now see "being written"
-        area[STAMP.size : STAMP.size + n] = payload
-        STAMP.pack_into(area, 0, self.session, seq + 1, n)
         self._turn[key] = turn
         slot.digest = digest
         slot.ref = REF.pack(self.session, seq + 1) + f"{self.sender}-{name}".encode()
@@ -158,8 +175,6 @@ class ShmWriter:
     def close(self) -> None:
         """Unmap and delete this sender's slots."""
         for name, slot in self._slots.items():
-            if slot.map is not None:
-                slot.map.close()
             os.close(slot.fd)
             (self.dir / f"{self.sender}-{name}").unlink(missing_ok=True)
         self._slots.clear()
@@ -168,11 +183,11 @@ class ShmWriter:
 
 
 class ShmReader:
-    """Copies payloads out of other processes' slots (keeps their files mapped)."""
+    """Copies payloads out of other processes' slots (keeps their files open)."""
 
     def __init__(self, run: str, root: Path = SHM_ROOT) -> None:
         self.dir = run_directory(run, root)
-        self._maps: dict[bytes, tuple[int, mmap.mmap]] = {}  # name -> (inode, map)
+        self._files: dict[bytes, int] = {}  # name -> open file
 
     def get(self, ref: memoryview, length: int) -> bytearray:
         """The referenced payload of ``length`` bytes, copied; raises :class:`ShmExpired`."""
@@ -180,20 +195,24 @@ class ShmReader:
             raise ShmExpired("malformed shared-memory reference")
         want = (*REF.unpack_from(ref, 0), length)
         name = bytes(ref[REF.size :])
-        cached = self._maps.get(name)  # a slot already mapped: no system call on the way
-        if cached is not None and len(cached[1]) >= STAMP.size + length:
-            area = cached[1]
-        if cached is None or len(area) < STAMP.size + length or STAMP.unpack_from(area, 0) != want:
-            area = self._open(name, STAMP.size + length)  # first use, grown, or replaced
-            if STAMP.unpack_from(area, 0) != want:
+        fd = self._files.get(name)  # a slot already open: one system call less on the way
+        if fd is None or self._stamp(fd) != want:
+            fd = self._open(name)  # first use, or replaced by a restarted sender
+            if self._stamp(fd) != want:
                 raise ShmExpired(f"slot {name.decode()} was rewritten")
-        with memoryview(area) as view:  # one copy (slicing the mmap itself would make two)
-            data = bytearray(view[STAMP.size : STAMP.size + length])
-        if STAMP.unpack_from(area, 0) != want:
+        data = bytearray(length)  # the one copy, straight from the file
+        if _read_into(fd, data, STAMP.size) != length:
+            raise ShmExpired(f"slot {name.decode()} is shorter than its stamp says")
+        if self._stamp(fd) != want:
             raise ShmExpired(f"slot {name.decode()} was rewritten while being read")
         return data
 
-    def _open(self, name: bytes, size: int) -> mmap.mmap:
+    @staticmethod
+    def _stamp(fd: int) -> tuple[int, ...] | None:
+        head = os.pread(fd, STAMP.size, 0)
+        return STAMP.unpack(head) if len(head) == STAMP.size else None
+
+    def _open(self, name: bytes) -> int:
         if self.dir is None or not _own_directory(self.dir, create=False):
             raise ShmMissing("no private shared-memory directory for the run here")
         try:
@@ -202,23 +221,19 @@ class ShmReader:
             raise ShmMissing(f"slot {name.decode()} does not exist here") from None
         except OSError as exc:
             raise ShmExpired(f"slot {name.decode()}: {exc.strerror}") from None
-        try:
-            info = os.fstat(fd)
-            if not stat.S_ISREG(info.st_mode) or info.st_size < size:
-                raise ShmExpired(f"slot {name.decode()} holds {info.st_size} bytes, need {size}")
-            old = self._maps.pop(name, None)
-            if old is not None:
-                old[1].close()
-            area = mmap.mmap(fd, info.st_size, prot=mmap.PROT_READ)
-            self._maps[name] = (info.st_ino, area)
-            return area
-        finally:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
             os.close(fd)
+            raise ShmExpired(f"slot {name.decode()} is not a regular file")
+        old = self._files.pop(name, None)
+        if old is not None:
+            os.close(old)
+        self._files[name] = fd
+        return fd
 
     def close(self) -> None:
-        for _, area in self._maps.values():
-            area.close()
-        self._maps.clear()
+        for fd in self._files.values():
+            os.close(fd)
+        self._files.clear()
 
 
 def is_loopback(host: str) -> bool:
