@@ -27,6 +27,7 @@ from ddiloco.core.codec import (
     encode,
     encode_into,
     encode_tensors,
+    encode_tensors_chunks,
     encoded_size,
     max_abs_error_bound,
 )
@@ -92,6 +93,19 @@ def test_round_trip_within_bound(name, shape, block, seed, log_scale):
         assert torch.equal(y, x.to(torch.bfloat16).float())
     _assert_within_bound(x, y, spec)
     assert encode(x, spec) == payload  # deterministic
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    name=st.sampled_from(CODECS),
+    shapes=st.lists(shapes_st, min_size=0, max_size=4),
+    block=block_st,
+    seed=st.integers(0, 2**16),
+)
+def test_a_bundle_streamed_tensor_by_tensor_is_the_same_bytes(name, shapes, block, seed):
+    spec = CodecSpec(name, block)
+    xs = [_tensor(shape, seed + i, 0.0) for i, shape in enumerate(shapes)]
+    assert b"".join(encode_tensors_chunks(xs, spec)) == encode_tensors(xs, spec)
 
 
 @settings(max_examples=60, deadline=None)

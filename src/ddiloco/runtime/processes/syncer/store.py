@@ -47,7 +47,7 @@ import logging
 import os
 import stat
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -68,7 +68,7 @@ from ddiloco.runtime.processes.syncer.store_format import (
     StoreError,
     _canonical,
     _check_manifest,
-    _fragment_bytes,
+    _fragment_chunks,
     _fragment_of,
     _pack,
     _snapshot,
@@ -78,7 +78,7 @@ from ddiloco.runtime.processes.syncer.store_format import (
 from ddiloco.runtime.processes.syncer.store_journal import (
     JOURNAL_MAGIC,
     Journal,
-    _journal_bytes,
+    _journal_chunks,
     _journal_keep,
     _scan_journal,
     journal_header,
@@ -126,17 +126,23 @@ def _fsync_dir(path: Path) -> None:
         raise _os_error(path, exc, "syncing its directory") from exc
 
 
-def write_atomic(path: Path, data: bytes | bytearray) -> None:
-    """Write ``data`` so that ``path`` holds either its old content or all of ``data`` (mode
-    0600). A failed write (a full disk) removes the temp file and raises StoreError."""
+def _write_all(fd: int, chunks: Iterable[bytes | bytearray | memoryview]) -> None:
+    for chunk in chunks:
+        view = memoryview(chunk)
+        while view:
+            view = view[os.write(fd, view) :]
+
+
+def write_atomic(path: Path, data: bytes | bytearray | Iterable[bytes]) -> None:
+    """Write ``data`` (or its chunks, streamed) so that ``path`` holds either its old content
+    or all of it (mode 0600). A failed write (a full disk) removes the temp file and raises
+    StoreError."""
     tmp = path.with_name(f".{path.name}.tmp")
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
             os.fchmod(fd, 0o600)  # a temp file left by a crash may predate the mode
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view) :]
+            _write_all(fd, [data] if isinstance(data, bytes | bytearray) else data)
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -314,7 +320,7 @@ class SyncerStore:
         if first:  # announced before it exists, listed once it does (see the module doc)
             self._write_manifest({**self._settled(manifest), "pending": path.name})
         seq = self.seq + (record.ledger is not None)
-        write_atomic(path, _fragment_bytes(record, seq))
+        write_atomic(path, _fragment_chunks(record, seq))
         self.seq = seq
         self.writes += 1
         if first:
@@ -330,7 +336,7 @@ class SyncerStore:
         """One merge's inputs: a length-prefixed, checksummed record, fsynced. A failed
         append (a full disk) is cut back, so it is not mistaken for damage later."""
         self._opened()
-        record = _journal_bytes(header, payloads)
+        record = _journal_chunks(header, payloads)
         path, created = self.journal_path, not self.journal_path.exists()
         try:
             fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
@@ -338,9 +344,7 @@ class SyncerStore:
             raise _os_error(path, exc, "opening it to append") from exc
         try:
             size = os.fstat(fd).st_size
-            view = memoryview(record)
-            while view:
-                view = view[os.write(fd, view) :]
+            _write_all(fd, record)
             os.fsync(fd)
         except OSError as exc:
             try:

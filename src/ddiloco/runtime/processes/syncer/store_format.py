@@ -14,17 +14,19 @@ before it. ``ledger.bin`` is such a file with no tensors and only a ledger snaps
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import re
 import struct
 import zlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
 import torch
 
-from ddiloco.core.codec import CodecSpec, decode_tensors, encode_tensors
+from ddiloco.core.codec import CodecSpec, decode_tensors, encode_tensors_chunks
 from ddiloco.errors import DDiLoCoError
 from ddiloco.runtime.run import RunSetup
 
@@ -80,9 +82,20 @@ def fingerprint_of(setup: RunSetup) -> str:
 
 # -- fragment and ledger files ----------------------------------------------------------------
 def _pack(header: dict[str, Any], tensors: list[torch.Tensor]) -> bytes:
+    return b"".join(_pack_chunks(header, tensors))
+
+
+def _pack_chunks(header: dict[str, Any], tensors: list[torch.Tensor]) -> Iterator[bytes]:
+    """A state file's bytes, one tensor at a time (the writer streams them: a fragment file
+    was three fragment-sized copies in memory while written), its checksum last."""
     head: bytes = msgpack.packb(header, use_bin_type=True)
-    body = _HEAD.pack(MAGIC, len(head)) + head + encode_tensors(tensors, _FP32)
-    return body + _CRC.pack(zlib.crc32(body))
+    crc = 0
+    for chunk in itertools.chain(
+        [_HEAD.pack(MAGIC, len(head)) + head], encode_tensors_chunks(tensors, _FP32)
+    ):
+        crc = zlib.crc32(chunk, crc)
+        yield chunk
+    yield _CRC.pack(crc)
 
 
 def _unpack(data: bytes, where: str) -> tuple[dict[str, Any], list[torch.Tensor]]:
@@ -111,7 +124,7 @@ def _snapshot(value: Any, where: str) -> dict[str, Any] | None:
     return value
 
 
-def _fragment_bytes(record: FragmentRecord, seq: int) -> bytes:
+def _fragment_chunks(record: FragmentRecord, seq: int) -> Iterator[bytes]:
     """Fragment ``record.fragment``'s file; its ledger snapshot, if any, numbered ``seq``."""
     outer_meta, outer_tensors = _split_outer(record.outer)
     header = {
@@ -129,7 +142,7 @@ def _fragment_bytes(record: FragmentRecord, seq: int) -> bytes:
     if record.ledger is not None:
         header["ledger"] = {"seq": seq, "state": record.ledger}
     tensors = [t.detach().float() for t in record.values] + outer_tensors
-    return _pack(header, tensors)
+    return _pack_chunks(header, tensors)
 
 
 def _fragment_of(

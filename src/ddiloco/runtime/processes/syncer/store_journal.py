@@ -50,12 +50,18 @@ class _Damaged(Exception):
     """A journal record no kill could have produced."""
 
 
-def _journal_bytes(header: dict[str, Any], payloads: list[bytes]) -> bytes:
-    """One merge's record: its header (with the payloads' sizes) and payloads, checksummed."""
+def _journal_chunks(header: dict[str, Any], payloads: list[bytes]) -> list[bytes]:
+    """One merge's record: its header (with the payloads' sizes) and payloads, checksummed;
+    as chunks, the payloads themselves among them (joined, they were one more copy of a
+    round's answers)."""
     sizes = [len(p) for p in payloads]
     head: bytes = msgpack.packb({**header, "payloads": sizes}, use_bin_type=True)
-    body = _HEAD.pack(JOURNAL_MAGIC, len(head)) + head + b"".join(payloads)
-    return _LEN.pack(len(body)) + body + _CRC.pack(zlib.crc32(body))
+    first = _HEAD.pack(JOURNAL_MAGIC, len(head)) + head
+    crc = zlib.crc32(first)
+    for p in payloads:
+        crc = zlib.crc32(p, crc)
+    length = len(first) + sum(sizes)
+    return [_LEN.pack(length) + first, *payloads, _CRC.pack(crc)]
 
 
 def _journal_body(body: bytes, n: int) -> tuple[dict[str, Any] | None, list[bytes]]:
