@@ -328,3 +328,43 @@ def test_the_nearest_donor_is_tried_first_and_equals_keep_the_syncers_order():
         relay.cut()
         for d in (far, near, other):
             d.close()
+
+
+def test_a_donor_claiming_fragment_versions_the_syncer_never_made_is_refused_for_the_next(
+    caplog,
+):
+    from ddiloco.runtime.processes.learner.process import snapshot_refusal
+
+    liar, honest = state(1, 1), state(1, 2)
+    liar["sync"]["versions"] = (3, 1004)  # +1000: every answer it made would be invalid
+    donors = [Donor(liar, learner=0), Donor(honest, learner=1)]
+    caplog.set_level(logging.WARNING, logger=LOGGER)
+    try:
+        peers = {"0": donors[0].server.address, "1": donors[1].server.address}
+        got = copy_from_peers(
+            peers,
+            RUN,
+            SECRET,
+            5,
+            probe=False,
+            max_bytes=LIMIT,
+            refuse=lambda c: snapshot_refusal(c.tree, [3, 4], 2),
+        )
+        assert got is not None and got[0] == "1" and same(got[1].tree, honest)
+        (said,) = [r.message for r in caplog.records if "refused" in r.message]
+        assert "peer 0" in said and "fragment 1 at version 1004" in said and "syncer's 4" in said
+    finally:
+        for donor in donors:
+            donor.close()
+
+
+def test_a_snapshot_is_checked_against_the_plan_and_the_syncers_versions():
+    from ddiloco.runtime.processes.learner.process import snapshot_refusal
+
+    assert snapshot_refusal({"sync": {"versions": [3, 4]}}, [3, 4], 2) is None
+    assert snapshot_refusal({"sync": {"versions": [2, 0]}}, [3, 4], 2) is None  # behind: fine
+    assert snapshot_refusal({"sync": {"versions": [3, 4]}}, None, 2) is None  # not said
+    assert "later than" in str(snapshot_refusal({"sync": {"versions": [4, 4]}}, [3, 4], 2))
+    assert "3 fragment versions" in str(snapshot_refusal({"sync": {"versions": [1] * 3}}, None, 2))
+    for hostile in ({}, {"sync": {}}, {"sync": {"versions": "x"}}, [], {"sync": {"versions": 7}}):
+        assert "no fragment versions" in str(snapshot_refusal(hostile, [3, 4], 2))

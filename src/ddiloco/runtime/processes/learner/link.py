@@ -111,6 +111,26 @@ class AskPeers:
 Outgoing = Progress | Push | Hello | Bye | AskPeers
 
 
+@dataclass(frozen=True)
+class Peers:
+    """The syncer's answer to :class:`AskPeers`: the live peers' recovery addresses (the
+    furthest trained first) and the syncer's fragment versions (None: it did not say), the
+    most any honest peer's snapshot can hold."""
+
+    addresses: dict[str, str]
+    versions: list[int] | None = None
+
+
+def _peers_of(meta: dict[str, Any]) -> Peers:
+    addresses, versions = meta.get("peers"), meta.get("versions")
+    if not isinstance(addresses, dict):
+        addresses = {}
+    addresses = {str(k): str(v) for k, v in addresses.items()}
+    if not (isinstance(versions, list) and all(type(v) is int for v in versions)):
+        versions = None
+    return Peers(addresses, versions)
+
+
 class SyncerLink(threading.Thread):
     """The network side of one learner."""
 
@@ -157,7 +177,7 @@ class SyncerLink(threading.Thread):
         self.asked_to_leave = threading.Event()
         self.finishing = threading.Event()  # a final ask came: the syncer's final rounds
         self._closing = threading.Event()
-        self._peers: queue.SimpleQueue[dict[str, str]] = queue.SimpleQueue()
+        self._peers: queue.SimpleQueue[Peers] = queue.SimpleQueue()
         self._asking_peers = threading.Event()  # a request_peers call is waiting
         self.syncer_session: int | None = None
         self.reconnects = 0
@@ -199,7 +219,7 @@ class SyncerLink(threading.Thread):
             inbox, self._inbox = self._inbox, {}
         return inbox
 
-    def request_peers(self, timeout: float) -> dict[str, str]:
+    def request_peers(self, timeout: float) -> Peers:
         """Ask the syncer for the live peers' recovery addresses (used before training)."""
         deadline = time.monotonic() + timeout
         self._asking_peers.set()
@@ -211,7 +231,7 @@ class SyncerLink(threading.Thread):
                     return self._peers.get(timeout=0.25)
                 except queue.Empty:
                     continue
-            return {}
+            return Peers({})
         finally:
             self._asking_peers.clear()
 
@@ -474,7 +494,7 @@ class SyncerLink(threading.Thread):
         elif h.kind == "rehello" or (h.kind == "beat" and not h.meta.get("live", True)):
             self._rehello()
         elif h.kind == "peers":
-            self._peers.put(h.meta.get("peers", {}))
+            self._peers.put(_peers_of(h.meta))
         elif h.kind == "stop":  # the run is over: nothing more comes, nothing more is said
             self._enter(LinkState.STOPPED)
         elif h.kind == "leave":  # an operator's, from the status page: a clean leave

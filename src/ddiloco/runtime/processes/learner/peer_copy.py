@@ -18,7 +18,7 @@ import contextlib
 import logging
 import secrets
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -324,18 +324,26 @@ def copy_from_peers(
     learner: int,
     *,
     probe: bool = True,
+    refuse: Callable[[Copied], str | None] = lambda copied: None,
     **options: Any,
 ) -> tuple[str, Copied] | None:
     """Copy the first donor that delivers, nearest first (:func:`by_round_trip`), else in
     the syncer's order; a donor that fails is logged and the copy starts over from the
-    next (never a mix of two donors' chunks). None when no donor delivered."""
+    next (never a mix of two donors' chunks). ``refuse(copied)`` says why a delivered
+    snapshot cannot be taken (a donor that lies about its state), or None: a refused donor
+    is logged as one that failed. None when no donor delivered."""
     if probe and len(peers) > 1:
         ordered = by_round_trip(peers, run, secret, learner)
     else:
         ordered = list(peers.items())
     for pid, address in ordered:
         try:
-            return pid, fetch_snapshot(address, run, secret, learner, **options)
+            copied = fetch_snapshot(address, run, secret, learner, **options)
         except PeerError as exc:
             log.warning("learner %d: peer %s failed: %s", learner, pid, exc)
+            continue
+        why = refuse(copied)
+        if why is None:
+            return pid, copied
+        log.warning("learner %d: peer %s refused: %s", learner, pid, why)
     return None

@@ -59,6 +59,27 @@ WAIT_POLL_SECONDS = 0.002
 WAIT_WARN_SECONDS = 30.0  # a wait this long is said on the terminal (then every 30 s)
 
 
+def snapshot_refusal(tree: Any, versions: list[int] | None, fragments: int) -> str | None:
+    """Why a peer's snapshot cannot be taken, or None: it must hold one version per
+    fragment, none later than the syncer's ``versions`` (no honest peer is ahead of the
+    syncer: a merge is durable before it is broadcast). Taken, a later one made a learner
+    whose every answer was refused as invalid, training forever without a merge."""
+    try:
+        held = [int(v) for v in tree["sync"]["versions"]]
+    except (KeyError, TypeError, ValueError):
+        return "its snapshot holds no fragment versions"
+    if len(held) != fragments:
+        return f"its snapshot holds {len(held)} fragment versions; the plan has {fragments}"
+    if versions is not None and len(versions) == fragments:
+        for p, (have, most) in enumerate(zip(held, versions, strict=True)):
+            if have > most:
+                return (
+                    f"its snapshot holds fragment {p} at version {have}, later than the "
+                    f"syncer's {most} (a lying or foreign peer)"
+                )
+    return None
+
+
 class LearnerProcess:
     """A learner slot's process: model, inner optimizer, shard, and its sync state."""
 
@@ -425,7 +446,15 @@ class LearnerProcess:
         # no deadline for the whole copy (16 GB at 1B parameters), only for a stall; a
         # snapshot far larger than ours (params, two moments, bases) is refused unallocated
         limit = 2 * (self.trainer.state_bytes() + self.sync.plan.total_bytes) + (64 << 20)
-        copied = copy_from_peers(peers, self.run_id, self.secret, self.m, max_bytes=limit)
+        fragments = self.sync.plan.num_fragments
+        copied = copy_from_peers(
+            peers.addresses,
+            self.run_id,
+            self.secret,
+            self.m,
+            max_bytes=limit,
+            refuse=lambda c: snapshot_refusal(c.tree, peers.versions, fragments),
+        )
         if copied is not None:
             pid, copy = copied
             self.adopt(copy.tree)

@@ -397,11 +397,13 @@ class SyncerService:
         """The live learners' recovery addresses, the furthest trained first (the learner
         tries them in this order): one at step 0 may be copying a peer itself and not answer
         for seconds, so it comes last (not left out: a learner's credited progress lags its
-        steps, and early in a run a stepping peer can still be at 0 here)."""
+        steps, and early in a run a stepping peer can still be at 0 here). With them, our
+        fragment versions: no honest peer holds a later one (a merge is durable before it is
+        broadcast), so the newcomer refuses a snapshot that claims one."""
         live = self.syncer.policy.progress
         ahead = sorted((k for k in live if k != m), key=lambda k: (-live[k], k))
         peers = {str(k): self.addresses[k] for k in ahead if self.addresses.get(k)}
-        self.send(m, "peers", meta={"peers": peers})
+        self.send(m, "peers", meta={"peers": peers, "versions": list(self.syncer.versions)})
 
     def on_progress(self, m: int, meta: dict[str, Any], _: memoryview) -> None:
         report = messages.progress(meta, self.plan.num_fragments)
