@@ -53,6 +53,27 @@ def test_single_learner_with_lr_one_sgd_lands_exactly_on_the_learner():
         torch.testing.assert_close(got, want)
 
 
+@pytest.mark.parametrize("share", [True, False])
+def test_shared_initial_values_are_merged_in_place_and_a_copy_leaves_them_alone(share):
+    plan = build_plan(SPECS, 2, "tensor", sync_every=2)
+    cfg = SyncerConfig(RoundConfig(quorum=1), "rda", OuterConfig("sgd", lr=1.0))
+    model = _params()
+    syncer = SyncerState(plan, model, cfg, share_initial=share)
+    syncer.policy.join(0)
+    (rnd,) = syncer.on_progress(0, 1, now=0.0, step_seconds=1.0)
+    p = rnd.fragment
+    learner = {k: v + 0.25 for k, v in _params().items()}
+    delta = [a - b for a, b in zip(gather(plan, p, learner), syncer.fragments[p], strict=True)]
+    syncer.on_answer(AnswerMeta(0, 0, 0, p, rnd.round_id, 0, 1, 1, 100), delta, now=0.1)
+    (result,) = syncer.poll(now=0.1)
+    assert result.version == 1
+    merged, initial = gather(plan, p, learner), gather(plan, p, _params())
+    for i, got in enumerate(gather(plan, p, model)):
+        # shared: the model's own parameters are the global values; else left as they were
+        assert torch.allclose(got, merged[i]) if share else torch.equal(got, initial[i])
+        torch.testing.assert_close(result.tensors[i], merged[i])
+
+
 @pytest.mark.parametrize("claimed", [1, 0, 10**9])
 def test_the_schedule_factor_is_taken_at_the_credited_step_not_the_claimed_one(claimed):
     plan = build_plan(SPECS, 2, "tensor", sync_every=2)

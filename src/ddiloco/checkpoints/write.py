@@ -51,7 +51,7 @@ from ddiloco.checkpoints.format import (
 from ddiloco.checkpoints.sim_state import ResumeState, write_state
 from ddiloco.checkpoints.weights import write_weights
 from ddiloco.config import RunConfig, to_toml
-from ddiloco.core.plans import scatter
+from ddiloco.core.plans import gather, scatter
 from ddiloco.data.info import bits_per_byte
 from ddiloco.data.tokenizer import Tokenizer, tokenizer_for
 from ddiloco.models.gpt import GPT
@@ -205,9 +205,13 @@ class CheckpointWriter:
         t = self.config.train
         return equivalent_step(tokens, t.learners, self.setup.tokens_per_step)
 
-    def staged(self, fragments: Sequence[Sequence[torch.Tensor]]) -> nn.Module:
+    def staged(self, fragments: Sequence[Sequence[torch.Tensor]], now: bool = False) -> nn.Module:
         """The global model: ``fragments`` copied into this writer's own copy of the
-        reference model (never the reference model itself, which evaluations use)."""
+        reference model (never the reference model itself, which evaluations use); for a
+        write ``now`` (nothing changes them meanwhile), the reference model itself when
+        ``fragments`` are its own parameters (a syncer's global values: nothing to copy)."""
+        if now and self._shared(fragments):
+            return self.setup.model
         if self.model is None:
             self.model = copy.deepcopy(self.setup.model)
         params = dict(self.model.named_parameters())
@@ -215,6 +219,14 @@ class CheckpointWriter:
             for p, values in enumerate(fragments):
                 scatter(self.setup.plan, p, params, values)
         return self.model
+
+    def _shared(self, fragments: Sequence[Sequence[torch.Tensor]]) -> bool:
+        params = dict(self.setup.model.named_parameters())
+        return all(
+            got.data_ptr() == want.data_ptr()
+            for p, values in enumerate(fragments)
+            for got, want in zip(values, gather(self.setup.plan, p, params), strict=True)
+        )
 
     def write(
         self,
@@ -256,7 +268,7 @@ class CheckpointWriter:
         eval_loss: float | None = None,
         state: ResumeState | None = None,
     ) -> Path:
-        return self.write(self.staged(fragments), tokens, eval_loss, state)
+        return self.write(self.staged(fragments, now=True), tokens, eval_loss, state)
 
     def submit(self, fragments: Sequence[Sequence[torch.Tensor]], tokens: int) -> bool:
         """Copy ``fragments`` now (between two merges) and write them on a thread; False if
@@ -277,6 +289,8 @@ class CheckpointWriter:
         except Exception as exc:  # a full disk: the run goes on, the failure is counted
             self.counts["checkpoint_failed"] += 1
             log.error("checkpoint at %d tokens failed: %s: %s", tokens, type(exc).__name__, exc)
+        finally:
+            self.model = None  # one fp32 model less between checkpoints (issue 28)
 
     def wait(self) -> None:
         if self.thread is not None:

@@ -201,16 +201,22 @@ class SyncerState:
         plain_tensors: Collection[str] = (),
         ledger: SyncerLedger | None = None,
         schedule: Callable[[int], float] | None = None,
+        share_initial: bool = False,
     ) -> None:
         """``schedule``: the inner learning-rate factor (lr / peak lr) at an inner step, for
-        an outer momentum that follows it; None: plain outer steps."""
+        an outer momentum that follows it; None: plain outer steps. ``share_initial``: the
+        global values are ``initial``'s own tensors (CPU fp32 ones), merged in place, not a
+        copy: a caller that keeps no other use for them saves one fp32 model."""
         self.plan = plan
         self.config = config
         self.schedule = schedule
         self.policy = RoundPolicy(plan.num_fragments, plan.due, plan.sync_every, config.rounds)
         with torch.no_grad():
             self.fragments = [
-                [t.detach().to("cpu", torch.float32, copy=True) for t in gather(plan, p, initial)]
+                [
+                    t.detach().to("cpu", torch.float32, copy=not share_initial)
+                    for t in gather(plan, p, initial)
+                ]
                 for p in range(plan.num_fragments)
             ]
         self.plain_mask = [

@@ -3,16 +3,17 @@
 Evaluating takes the syncer's one core for a long time (0.4 s for gpt-1m, 9 s for gpt-12m,
 76 s for gpt-50m at 64 eval batches) against a detection window of seconds: done inside the
 loop it stalled merges and beats, made every learner reconnect and unbalanced the ledger. So
-an evaluation runs on a thread of its own, in the run's reference model, into which the
-fragments are copied between two merges (no other copy: a deep copy of the model and a
-clone of the fragments beside it were two more fp32 models in the syncer's peak, issue 28);
-at most one runs at a time, and one that comes due while another is running is skipped and
-counted. The last evaluation (the run's result) is the caller's, in the same model, after
-:meth:`Evaluator.wait`.
+an evaluation runs on a thread of its own, in a copy of the global model taken between two
+merges and dropped when the evaluation ends (the syncer's global values are the reference
+model's own parameters, merged in place: between evaluations the syncer holds one fp32
+model, not two, issue 28); at most one runs at a time, and one that comes due while another
+is running is skipped and counted. The last evaluation (the run's result) is the caller's,
+in the reference model itself once the merges are over, after :meth:`Evaluator.wait`.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 import threading
 from collections.abc import Callable
@@ -41,10 +42,6 @@ class Evaluator:
         self.setup = setup
         self.events = events
         self.on_eval = on_eval
-        # the reference model itself: evaluations run one at a time, and the final one (the
-        # caller's, in the same model) only after :meth:`wait` (a copy was one more fp32
-        # model in the syncer's peak, issue 28)
-        self.model = setup.model
         setup.eval_batches  # noqa: B018 - built here, once, not by two threads at a time
         self.thread: threading.Thread | None = None
         self.counts = {"evals": 0, "eval_skipped": 0, "eval_failed": 0}
@@ -54,24 +51,27 @@ class Evaluator:
         return self.thread is not None and self.thread.is_alive()
 
     def submit(self, fragments: list[list[torch.Tensor]], tokens: int) -> bool:
-        """Copy ``fragments`` into the evaluation model and start evaluating it; False
-        (counted) if one still runs."""
+        """Copy ``fragments`` into a model of their own and start evaluating it; False
+        (counted) if one still runs. The copy lives as long as the evaluation: merges go on
+        meanwhile (the syncer's global values may be the reference model's own parameters),
+        and between evaluations the syncer holds no evaluation model (issue 28)."""
         if self.busy:
             self.counts["eval_skipped"] += 1
             return False
-        params = dict(self.model.named_parameters())
+        model = copy.deepcopy(self.setup.model)
+        params = dict(model.named_parameters())
         with torch.no_grad():
             for p, values in enumerate(fragments):
                 scatter(self.setup.plan, p, params, values)
         self.thread = threading.Thread(
-            target=self._run, args=(tokens,), name="syncer-eval", daemon=True
+            target=self._run, args=(model, tokens), name="syncer-eval", daemon=True
         )
         self.thread.start()
         return True
 
-    def _run(self, tokens: int) -> None:
+    def _run(self, model: torch.nn.Module, tokens: int) -> None:
         try:
-            loss = evaluate(self.model, self.setup.eval_batches)
+            loss = evaluate(model, self.setup.eval_batches)
         except Exception as exc:
             self.counts["eval_failed"] += 1
             log.error(

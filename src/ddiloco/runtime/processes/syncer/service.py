@@ -108,6 +108,7 @@ class SyncerService:
             plain_tensors=setup.plain,
             ledger=self.ledger,
             schedule=setup.outer_schedule(),
+            share_initial=True,  # the global values live in the reference model's parameters
         )
         self.shapes = [[tuple(t.shape) for t in frag] for frag in self.syncer.fragments]
         self.store = SyncerStore(
