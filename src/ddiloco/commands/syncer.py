@@ -68,9 +68,11 @@ def run(args: argparse.Namespace) -> int:
     on_terminate(stop.set)
     import torch
 
+    from ddiloco.runtime.processes.memory import give_back_freed_memory
     from ddiloco.runtime.processes.syncer.service import SyncerService
     from ddiloco.runtime.run import RunSetup
 
+    give_back_freed_memory()  # before the model: fragment-sized buffers are given back
     torch.set_num_threads(max(1, args.threads))
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s syncer %(message)s")
     parse_address(args.bind, "--bind")
