@@ -55,3 +55,62 @@ def test_a_failing_address_is_shut_out_but_a_learner_sharing_it_still_gets_in():
     finally:
         gate.sock.close(0)
         ctx.term()
+
+
+# -- the run secret as a user gives it ----------------------------------------------------------
+def test_a_guessable_secret_is_refused_by_name(monkeypatch):
+    import pytest
+
+    from ddiloco.errors import ConfigError
+    from ddiloco.runtime.processes.transport.sockets import SECRET_ENV, load_secret
+
+    monkeypatch.setenv(SECRET_ENV, bytes(range(32)).hex())
+    assert load_secret(None) == bytes(range(32))
+    for guessable in (bytes(32), b"ab" * 16, bytes(range(7)) * 5):
+        monkeypatch.setenv(SECRET_ENV, guessable.hex())
+        with pytest.raises(ConfigError, match=r"distinct byte values.*not random"):
+            load_secret(None)
+
+
+def test_a_secret_file_that_is_not_a_private_regular_file_is_refused_at_once(tmp_path):
+    import os
+    import threading
+    import time
+
+    import pytest
+
+    from ddiloco.errors import ConfigError
+    from ddiloco.runtime.processes.transport.sockets import load_secret
+
+    good = tmp_path / "run.secret"
+    good.write_text(bytes(range(32)).hex() + "\n")
+    good.chmod(0o600)
+    assert load_secret(str(good)) == bytes(range(32))
+    fifo = tmp_path / "fifo.secret"
+    os.mkfifo(fifo, 0o600)
+    started = time.monotonic()
+    done: list[BaseException] = []
+    reader = threading.Thread(target=lambda: done.append(_raised(load_secret, str(fifo))))
+    reader.daemon = True  # (if it hung, the test fails below, not the session)
+    reader.start()
+    reader.join(5)
+    assert done and isinstance(done[0], ConfigError) and "not a regular file" in str(done[0])
+    assert time.monotonic() - started < 5
+    big = tmp_path / "big.secret"
+    big.write_bytes(os.urandom(1 << 20))
+    big.chmod(0o600)
+    with pytest.raises(ConfigError, match="not a secret"):
+        load_secret(str(big))
+    good.chmod(0o644)
+    with pytest.raises(ConfigError, match="chmod 600"):
+        load_secret(str(good))
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_secret(str(tmp_path / "missing"))
+
+
+def _raised(fn, *args) -> BaseException | None:
+    try:
+        fn(*args)
+    except BaseException as exc:  # handed to the test's thread
+        return exc
+    return None

@@ -128,3 +128,23 @@ def test_a_save_streamed_from_live_tensors_is_the_state_at_the_save(tmp_path):
     path, size = KIND.publish(staged)
     assert path.stat().st_size == size
     torch.testing.assert_close(KIND.read(path)["weights"], state(5)["weights"])
+
+
+def test_saves_are_private_files_in_a_private_directory_whatever_the_umask(tmp_path):
+    import os
+    import stat
+
+    loose = tmp_path / "learner-0"
+    loose.mkdir(mode=0o755)
+    loose.chmod(0o755)  # a directory left by an older version, or made by hand
+    old = os.umask(0o022)
+    try:
+        path, _ = KIND.write(loose, 1, {"step": 1, "weights": torch.ones(3)})
+        fresh, _ = KIND.write(
+            tmp_path / "new" / "learner-1", 1, {"step": 1, "weights": torch.ones(3)}
+        )
+    finally:
+        os.umask(old)
+    for file in (path, fresh):
+        assert stat.S_IMODE(file.stat().st_mode) == 0o600, oct(file.stat().st_mode)
+        assert stat.S_IMODE(file.parent.stat().st_mode) == 0o700, oct(file.parent.stat().st_mode)

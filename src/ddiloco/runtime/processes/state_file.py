@@ -36,6 +36,16 @@ from ddiloco.runtime.processes.transport.tree import PREFIX, Layout, TreeWriter
 CHUNK = 8 << 20  # bytes hashed (read back) at a time
 
 
+def private_directory(directory: Path) -> None:
+    """``directory``, made if missing, readable by this user only (0700, as the syncer's
+    store): a learner's saves hold the model and its optimizer state, and are files a
+    resumed run trusts."""
+    directory.mkdir(mode=0o700, parents=True, exist_ok=True)
+    info = directory.stat()
+    if info.st_mode & 0o077 and info.st_uid == os.getuid():
+        directory.chmod(0o700)
+
+
 @dataclass(frozen=True)
 class Staged:
     """A save written to its temp file, not yet hashed, fsynced or renamed."""
@@ -97,8 +107,10 @@ class StateFile:
         length = layout.size
         prefix = self.magic + self.version.to_bytes(4, "little") + length.to_bytes(8, "little")
         try:
-            directory.mkdir(parents=True, exist_ok=True)
-            with tmp.open("wb") as f:
+            private_directory(directory)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+            os.fchmod(fd, 0o600)  # a temp file left by a crash may predate the mode
+            with os.fdopen(fd, "wb") as f:
                 f.write(prefix + bytes(32))
                 for part in layout.parts:  # the GIL is released while each is written
                     f.write(part)

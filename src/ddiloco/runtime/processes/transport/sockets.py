@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import random
 import secrets
-from pathlib import Path
+import stat
 
 import zmq
 
@@ -16,19 +16,14 @@ from ddiloco.runtime.processes.transport.wire import SECRET_MIN_BYTES, Limits
 
 Socket = zmq.Socket[bytes]
 SECRET_ENV = "DDILOCO_SECRET"
+SECRET_MIN_DISTINCT = 8  # byte values a secret holds at least (a random 32 bytes: ~30)
+SECRET_FILE_MAX_BYTES = 4096  # a secret file larger than this is not a secret
 
 
 def load_secret(secret_file: str | None) -> bytes:
     """The run secret: from ``secret_file`` (hex or raw bytes) or $DDILOCO_SECRET (hex)."""
     if secret_file:
-        try:
-            mode = os.stat(secret_file).st_mode
-            raw = Path(secret_file).read_bytes().strip()
-        except OSError as exc:
-            raise ConfigError("--secret-file", secret_file, f"cannot read: {exc}") from None
-        if mode & 0o077:  # as ssh refuses a private key others can read
-            why = f"readable by others (mode {mode & 0o777:o}): chmod 600 it"
-            raise ConfigError("--secret-file", secret_file, why)
+        raw = _read_secret_file(secret_file)
         try:
             secret = bytes.fromhex(raw.decode("ascii"))
         except (UnicodeDecodeError, ValueError):
@@ -41,14 +36,42 @@ def load_secret(secret_file: str | None) -> bytes:
             secret = bytes.fromhex(text)
         except ValueError:
             raise ConfigError(SECRET_ENV, "<hidden>", "must be hex") from None
+    make = "make one with: python -c 'import secrets; print(secrets.token_hex(32))'"
     if len(secret) < SECRET_MIN_BYTES:
         raise ConfigError(
+            "secret", f"{len(secret)} bytes", f"need >= {SECRET_MIN_BYTES} random bytes; {make}"
+        )
+    if len(set(secret)) < SECRET_MIN_DISTINCT:  # all zeros, "abab...": a guessable secret
+        raise ConfigError(
             "secret",
-            f"{len(secret)} bytes",
-            f"need >= {SECRET_MIN_BYTES} random bytes; make one with: python -c "
-            "'import secrets; print(secrets.token_hex(32))'",
+            f"{len(set(secret))} distinct byte values",
+            f"not random (a random one has ~{SECRET_MIN_BYTES - 2}); {make}",
         )
     return secret
+
+
+def _read_secret_file(path: str) -> bytes:
+    """The secret file's bytes: a private regular file, read without waiting (a FIFO or a
+    device named by mistake would hang the start-up and swallow SIGTERM), of a secret's size."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY)
+    except OSError as exc:
+        raise ConfigError("--secret-file", path, f"cannot read: {exc.strerror}") from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise ConfigError("--secret-file", path, "not a regular file (a FIFO, a device?)")
+        if info.st_mode & 0o077:  # as ssh refuses a private key others can read
+            why = f"readable by others (mode {info.st_mode & 0o777:o}): chmod 600 it"
+            raise ConfigError("--secret-file", path, why)
+        if info.st_size > SECRET_FILE_MAX_BYTES:
+            why = f"{info.st_size} bytes: not a secret (at most {SECRET_FILE_MAX_BYTES})"
+            raise ConfigError("--secret-file", path, why)
+        return os.read(fd, SECRET_FILE_MAX_BYTES).strip()
+    except OSError as exc:
+        raise ConfigError("--secret-file", path, f"cannot read: {exc.strerror}") from None
+    finally:
+        os.close(fd)
 
 
 def new_session() -> int:
