@@ -147,3 +147,74 @@ def test_a_run_without_such_a_step_or_method_lists_what_it_has(tmp_path):
         find_checkpoint(run, method="data_parallel")
     with pytest.raises(CheckpointError, match="neither a checkpoint"):
         find_checkpoint(tmp_path)
+
+
+USER_MODELS = """
+import os
+import pathlib
+
+import torch
+from torch import nn
+
+pathlib.Path(os.environ["DDILOCO_TEST_MARKER"]).write_text("imported")
+
+
+class Tiny(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.arange(6.0).reshape(2, 3))
+
+
+def build():
+    return Tiny()
+"""
+
+
+def test_a_checkpoint_of_user_code_never_runs_the_code_it_names(tmp_path, monkeypatch):
+    (tmp_path / "usermodels_ckpt.py").write_text(USER_MODELS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    marker = tmp_path / "imported"
+    monkeypatch.setenv("DDILOCO_TEST_MARKER", str(marker))
+    config = load_config(None, ["model='usermodels_ckpt:build'"])
+    model = torch.nn.Module()
+    model.w = torch.nn.Parameter(torch.ones(2, 3))
+    path = write_checkpoint(
+        tmp_path / "step-1",
+        model,
+        config,
+        ByteTokenizer(),
+        method="decoupled",
+        step=1,
+        tokens=10,
+        eval_loss=2.0,
+    )
+    with pytest.raises(CheckpointError, match="never runs code") as info:
+        load_checkpoint(path)
+    assert "--model usermodels_ckpt:build" in str(info.value)
+    assert not marker.exists()  # refused before anything was imported
+    loaded = load_checkpoint(path, builder="usermodels_ckpt:build")  # the user says so
+    assert marker.exists() and torch.equal(loaded.model.w, torch.ones(2, 3))
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_weights_holding_nan_or_infinity_are_refused_even_with_the_digests_fixed_up(tmp_path, bad):
+    from safetensors.torch import load_file, save_file
+
+    from ddiloco.checkpoints.format import digest
+
+    path, _ = written(tmp_path)
+    weights = path / "model.safetensors"
+    tensors = load_file(str(weights))
+    name = sorted(tensors)[0]
+    tensors[name].view(-1)[0] = bad
+    save_file(tensors, str(weights), metadata={"format": "pt"})
+    manifest = json.loads((path / MANIFEST).read_text())
+    manifest["files"]["model.safetensors"] = {
+        "bytes": weights.stat().st_size,
+        "blake3": digest(weights),
+    }
+    (path / MANIFEST).write_text(json.dumps(manifest))
+    assert verify(path)  # the forger fixed the digests up: the files check out
+    with pytest.raises(CheckpointError, match="NaN or infinite") as info:
+        load_checkpoint(path)
+    assert "model.safetensors" in str(info.value) and name in str(info.value)

@@ -95,9 +95,11 @@ def verify(path: Path) -> dict[str, Any]:
     return dict(manifest)
 
 
-def load_checkpoint(path: Path, device: str = "cpu") -> Checkpoint:
+def load_checkpoint(path: Path, device: str = "cpu", builder: str | None = None) -> Checkpoint:
     """Check and load the checkpoint directory ``path``: its model on ``device``, in eval
-    mode."""
+    mode. ``builder``: the ``module:function`` that builds a checkpoint of user code, as the
+    user gives it (a checkpoint never names code to run: it only says which builder made
+    it); built-in GPTs and Hugging Face models need none."""
     manifest = verify(path)
     try:
         config = load_config(path / RUN_CONFIG)
@@ -105,13 +107,15 @@ def load_checkpoint(path: Path, device: str = "cpu") -> Checkpoint:
         raise CheckpointError(
             path / RUN_CONFIG, f"not a run config this build reads: {exc}"
         ) from exc
-    model = _model(path, manifest, config)
+    model = _model(path, manifest, config, builder)
     model.to(torch.device(device)).eval()
     return Checkpoint(path, manifest, config, model, tokenizer_for(path))
 
 
-def _model(path: Path, manifest: dict[str, Any], config: RunConfig) -> nn.Module:
-    kind, spec = manifest["kind"], str(manifest["model"])
+def _model(
+    path: Path, manifest: dict[str, Any], config: RunConfig, builder: str | None
+) -> nn.Module:
+    kind, spec = manifest["kind"], str(manifest["model"])[:200]
     if kind == "hf":
         try:
             return build_model(f"hf:{path}", config)
@@ -125,13 +129,28 @@ def _model(path: Path, manifest: dict[str, Any], config: RunConfig) -> nn.Module
         except (ValueError, KeyError, TypeError) as exc:
             raise CheckpointError(path / MODEL_CONFIG, f"not a GPT config: {exc}") from exc
     else:
-        model = build_model(spec, config)
+        if builder is None:  # importing what a file names is running code a file chose
+            why = (
+                f"its model is user code ({spec!r}), and a checkpoint never runs code it "
+                f"names: pass --model {spec} if that is the builder you trust"
+            )
+            raise CheckpointError(path / MANIFEST, why)
+        model = build_model(builder, config)
     try:
         load_model(model, str(weights), strict=True)
     except Exception as exc:  # safetensors' own errors, or keys/shapes that do not fit
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise CheckpointError(weights, f"does not load into {spec}: {first}") from exc
+    _finite(model, weights)
     return model
+
+
+def _finite(model: nn.Module, weights: Path) -> None:
+    """Refuse weights holding NaN or infinity (digests prove a file is the one written, not
+    that what was written is a model): such a checkpoint evaluates to nan and says nothing."""
+    for name, tensor in model.state_dict().items():
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise CheckpointError(weights, f"{name} holds NaN or infinite values: refused")
 
 
 # -- finding one -----------------------------------------------------------------------------

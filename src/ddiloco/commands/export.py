@@ -49,6 +49,12 @@ def add_source_arguments(parser: argparse.ArgumentParser, what: str) -> None:
         action="store_true",
         help="from the processes' state (syncer store, data-parallel rollback checkpoint)",
     )
+    parser.add_argument(
+        "--model",
+        metavar="MODULE:FUNCTION",
+        help="the builder of a checkpoint of your own model code (a checkpoint names it, "
+        "but never has it run: you say which code you trust)",
+    )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -116,7 +122,7 @@ def open_model(args: argparse.Namespace, device: str = "cpu") -> Checkpoint:
     """The model a command's source arguments name, loaded (a recovered one in memory)."""
     source = pick(Path(args.path), args.method, args.step, args.store)
     if source.checkpoint is not None:
-        return load_checkpoint(source.checkpoint, device)
+        return load_checkpoint(source.checkpoint, device, builder=args.model)
     rec = source.recovered
     assert rec is not None
     config = rec.setup.config

@@ -108,7 +108,7 @@ def find_resume(
     instead = instead or f"remove {path} to start {method} over"
     fragments = method_for(config, method).fragments
     try:
-        ckpt = load_checkpoint(path)
+        ckpt = load_checkpoint(path, builder=config.model)  # the resuming run's own model
         if not has_state(ckpt.manifest):
             why = f"missing (not listed in {MANIFEST}): no simulated-clock resume state"
             raise CheckpointError(path / STATE, why)
