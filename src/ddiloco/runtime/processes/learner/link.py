@@ -222,6 +222,8 @@ class SyncerLink(threading.Thread):
     def request_peers(self, timeout: float) -> Peers:
         """Ask the syncer for the live peers' recovery addresses (used before training)."""
         deadline = time.monotonic() + timeout
+        while not self._peers.empty():  # answers to an earlier ask (sent again): stale now
+            self._peers.get_nowait()
         self._asking_peers.set()
         try:
             while time.monotonic() < deadline and self.fatal is None:

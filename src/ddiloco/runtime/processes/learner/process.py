@@ -41,7 +41,7 @@ from ddiloco.runtime.processes.learner.local_checkpoint import (
     load_latest,
 )
 from ddiloco.runtime.processes.learner.peer import SnapshotServer
-from ddiloco.runtime.processes.learner.peer_copy import copy_from_peers
+from ddiloco.runtime.processes.learner.peer_copy import Copied, copy_from_peers
 from ddiloco.runtime.processes.learner.ranks import Apply, RankGroup
 from ddiloco.runtime.processes.terminate import on_terminate
 from ddiloco.runtime.processes.transport.events import Events
@@ -447,13 +447,15 @@ class LearnerProcess:
         # snapshot far larger than ours (params, two moments, bases) is refused unallocated
         limit = 2 * (self.trainer.state_bytes() + self.sync.plan.total_bytes) + (64 << 20)
         fragments = self.sync.plan.num_fragments
+
+        def refuse(copied: Copied) -> str | None:
+            # the syncer's versions now, after the copy: the donor's snapshot may hold merges
+            # made since the first ask, never one the syncer has not made yet
+            now = self.link.request_peers(timeout=10.0).versions
+            return snapshot_refusal(copied.tree, now, fragments)
+
         copied = copy_from_peers(
-            peers.addresses,
-            self.run_id,
-            self.secret,
-            self.m,
-            max_bytes=limit,
-            refuse=lambda c: snapshot_refusal(c.tree, peers.versions, fragments),
+            peers.addresses, self.run_id, self.secret, self.m, max_bytes=limit, refuse=refuse
         )
         if copied is not None:
             pid, copy = copied
