@@ -263,7 +263,9 @@ def test_a_learner_refused_or_without_a_syncer_stops_at_once_naming_the_cause(tm
     started = time.monotonic()
     give_up = ["--set", "processes.give_up_seconds=3"]
     learners = {
-        "wrong secret": start_learner(syncer.config_path, syncer.address, b"z" * 32, RUN),
+        "wrong secret": start_learner(
+            syncer.config_path, syncer.address, bytes(range(99, 131)), RUN
+        ),
         "wrong run id": start_learner(syncer.config_path, syncer.address, SECRET, "r-other"),
         "no syncer": start_learner(syncer.config_path, nobody, SECRET, RUN, *give_up),
     }
