@@ -2,37 +2,53 @@
 
 from __future__ import annotations
 
+import time
+
 import zmq
 
 from ddiloco.runtime.processes.transport.auth import Bounds, Gatekeeper, credential, learner_of
+from ddiloco.runtime.processes.transport.tickets import TicketBook, make_ticket
 
 SECRET = b"g" * 32
+WALL = 1_800_000_000.0  # the wall clock the tickets are made and checked on
 
 
 def request(name: bytes, password: bytes, address: bytes = b"10.0.0.9") -> list[bytes]:
     return [b"1.0", b"7", b"ddiloco", address, b"", b"PLAIN", name, password]
 
 
-def gatekeeper(now: list[float]) -> tuple[zmq.Context, Gatekeeper]:
+def ticket(name: str, secret: bytes = SECRET, run: str = "run", at: float = WALL):
+    """A one-time username and its password, as ``present`` makes them."""
+    user = make_ticket(name, at)
+    return user.encode(), credential(secret, run, user)
+
+
+def gatekeeper(now: list[float], tickets: TicketBook | None = None):
     ctx: zmq.Context = zmq.Context()
     bounds = Bounds(burst=4, per_second=1.0, fail_limit=3, fail_window=10.0, ban_seconds=30.0)
     accept = lambda name: learner_of(name) is not None and learner_of(name) < 2  # noqa: E731
-    return ctx, Gatekeeper(ctx, SECRET, "run", accept, bounds, clock=lambda: now[0])
+    tickets = tickets or TicketBook(wall=lambda: WALL)
+    gate = Gatekeeper(ctx, SECRET, "run", accept, bounds, clock=lambda: now[0], tickets=tickets)
+    return ctx, gate
 
 
 def test_only_the_run_secret_and_a_member_name_complete_a_handshake():
     now = [0.0]
     ctx, gate = gatekeeper(now)
     try:
-        good = gate.decide(request(b"L1", credential(SECRET, "run", "L1")))
+        good = gate.decide(request(*ticket("L1")))
         assert good[2:5] == [b"200", b"OK", b"L1"]  # the user id every message then carries
-        assert gate.decide(request(b"L1", credential(SECRET, "other", "L1")))[2] == b"400"
-        assert gate.decide(request(b"L1", credential(b"h" * 32, "run", "L1")))[2] == b"400"
-        assert gate.decide(request(b"L7", credential(SECRET, "run", "L7")))[2] == b"400"
-        assert gate.decide(request(b"L0", credential(SECRET, "run", "L1")))[2] == b"400"
+        assert gate.decide(request(*ticket("L1", run="other")))[2] == b"400"
+        assert gate.decide(request(*ticket("L1", secret=b"h" * 32)))[2] == b"400"
+        assert gate.decide(request(*ticket("L7")))[2] == b"400"
+        user, password = ticket("L1")
+        assert gate.decide(request(user.replace(b"L1", b"L0", 1), password))[2] == b"400"
+        assert gate.decide(request(b"L1", credential(SECRET, "run", "L1")))[2] == b"400"  # v1
         assert gate.decide([b"1.0", b"8", b"ddiloco", b"a", b"", b"NULL"])[2] == b"400"
         assert gate.counts["refused_bad_credentials"] >= 2
         assert gate.counts["refused_unknown_name"] == 1
+        assert gate.counts["refused_not_a_ticket"] + gate.counts["refused_banned"] >= 1
+        assert sum(n for k, n in gate.counts.items() if k.startswith("refused_")) == 6
     finally:
         gate.sock.close(0)
         ctx.term()
@@ -48,12 +64,104 @@ def test_a_failing_address_is_shut_out_but_a_learner_sharing_it_still_gets_in():
             gate.decide(request(b"L0", b"guess"))[3] == b"address shut out after repeated failures"
         )
         assert gate.counts["refused_banned"] == 1
-        ok = gate.decide(request(b"L0", credential(SECRET, "run", "L0")))  # same address
+        ok = gate.decide(request(*ticket("L0")))  # same address
         assert ok[2] == b"200"
         now[0] = 31.0  # the ban expires
-        assert gate.decide(request(b"L0", b"guess"))[3] == b"wrong secret or run id"
+        assert gate.decide(request(ticket("L0")[0], b"guess"))[3] == b"wrong secret or run id"
     finally:
         gate.sock.close(0)
+        ctx.term()
+
+
+# -- one-time tickets ---------------------------------------------------------------------------
+def test_a_ticket_is_admitted_once_and_only_near_the_servers_clock():
+    ctx, gate = gatekeeper([0.0])
+    try:
+        user, password = ticket("L0")
+        assert gate.decide(request(user, password))[2] == b"200"
+        again = gate.decide(request(user, password, address=b"10.6.6.6"))  # a replayed capture
+        assert again[2:4] == [b"400", b"a connection ticket used before (a replayed capture?)"]
+        assert gate.decide(request(*ticket("L0", at=WALL - 301)))[3].startswith(b"a ticket whose")
+        assert gate.decide(request(*ticket("L0", at=WALL + 301)))[2] == b"400"  # clock ahead
+        assert gate.decide(request(*ticket("L0", at=WALL - 299)))[2] == b"200"  # within skew
+        assert gate.counts["refused_replayed"] == 1 and gate.counts["refused_clock"] == 2
+    finally:
+        gate.sock.close(0)
+        ctx.term()
+
+
+def test_the_syncers_journal_makes_a_restarted_server_refuse_an_earlier_lifes_ticket(tmp_path):
+    import pytest
+
+    from ddiloco.runtime.processes.transport.tickets import RECORD, TicketError
+
+    path = tmp_path / "tickets.bin"
+    wall = [WALL]
+    first = TicketBook(path, wall=lambda: wall[0])
+    user, password = ticket("L0")
+    old_user, old_password = ticket("L1", at=WALL - 200)
+    for u, p in ((user, password), (old_user, old_password)):
+        ctx, gate = gatekeeper([0.0], first)
+        assert gate.decide(request(u, p))[2] == b"200"
+        gate.sock.close(0)
+        ctx.term()
+    assert path.stat().st_mode & 0o777 == 0o600 and path.stat().st_size == 2 * RECORD.size
+    wall[0] = WALL + 150  # a new life, 150 s later: the L1 ticket (200 + 150 s old) expired
+    ctx, gate = gatekeeper([0.0], TicketBook(path, wall=lambda: wall[0]))
+    try:
+        assert gate.decide(request(user, password))[3].startswith(b"a connection ticket used")
+        assert gate.decide(request(old_user, old_password))[3].startswith(b"a ticket whose")
+        assert path.stat().st_size == RECORD.size  # compacted to the live ones
+    finally:
+        gate.sock.close(0)
+        ctx.term()
+    path.write_bytes(path.read_bytes() + b"torn")
+    with pytest.raises(TicketError, match=r"tickets\.bin.*damaged"):
+        TicketBook(path, wall=lambda: wall[0])
+
+
+def test_a_spent_ticket_is_renewed_and_a_refused_fresh_one_is_fatal():
+    """Real sockets: zmq reconnects with the ticket a socket was given; the server refuses it
+    (used), and the watch tells the owner to renew instead of stopping."""
+    from ddiloco.runtime.processes.transport.auth import HandshakeWatch, present, serve_plain
+
+    ctx: zmq.Context = zmq.Context()
+    gate = Gatekeeper(ctx, SECRET, "run", lambda name: name == "L0")
+    gate.start()
+    server = ctx.socket(zmq.ROUTER)
+    serve_plain(server)
+    port = server.bind_to_random_port("tcp://127.0.0.1")
+    client = ctx.socket(zmq.DEALER)
+    present(client, SECRET, "run", "L0")
+    watch = HandshakeWatch(client, f"127.0.0.1:{port}")
+    client.connect(f"tcp://127.0.0.1:{port}")
+    wrong = ctx.socket(zmq.DEALER)
+    present(wrong, b"h" * 32, "run", "L0")
+    wrong_watch = HandshakeWatch(wrong, "the server")
+    wrong.connect(f"tcp://127.0.0.1:{port}")
+    try:
+        client.send(b"hi")
+        assert server.poll(5000) and server.recv_multipart()[1] == b"hi"
+        server.close(0)  # the server restarts on the same port: the connection closes
+        server = ctx.socket(zmq.ROUTER)
+        serve_plain(server)
+        server.bind(f"tcp://127.0.0.1:{port}")
+        deadline = time.monotonic() + 5
+        while not watch.renew and time.monotonic() < deadline:
+            assert watch.poll() is None
+            time.sleep(0.02)
+        assert watch.renew and watch.admitted
+        fatal = None
+        while fatal is None and time.monotonic() < deadline:
+            fatal = wrong_watch.poll()
+            time.sleep(0.02)
+        assert fatal is not None and "wrong secret or run id" in fatal
+    finally:
+        watch.close()
+        wrong_watch.close()
+        for sock in (client, wrong, server):
+            sock.close(0)
+        gate.close()
         ctx.term()
 
 

@@ -274,6 +274,8 @@ class SyncerLink(threading.Thread):
                 break
             self.failed_handshakes += self.watch.failures
             self.watch.failures = 0
+            if self.watch.renew:  # its one-time ticket is spent: zmq must not reuse it
+                self._reconnect("the connection to the syncer closed")
             if self.sock.poll(20):
                 while True:
                     try:
@@ -286,7 +288,7 @@ class SyncerLink(threading.Thread):
             if self.state is LinkState.HELLO and now >= self.next_hello:
                 self._hello()  # until the syncer answers, with capped, jittered backoff
             elif self.state is LinkState.LIVE and now - self.last_rx > self.silence:
-                self._reconnect()
+                self._reconnect(f"syncer silent for {now - self.last_rx:.1f}s")
             elif self.state is LinkState.LIVE and now - self.last_tx > self.beat:
                 self._send("beat")  # alive mid-step, mid-evaluation: whatever training does
             if self.state is LinkState.HELLO:
@@ -348,14 +350,12 @@ class SyncerLink(threading.Thread):
             self.sock.close(0)
             self.sock = None
 
-    def _reconnect(self) -> None:
-        """The syncer went silent: drop the socket (and whatever zmq queued in it) and start
-        over; hellos follow with capped exponential backoff and jitter until welcomed."""
-        log.warning(
-            "learner %d: syncer silent for %.1fs; reconnecting",
-            self.learner,
-            time.monotonic() - self.last_rx,
-        )
+    def _reconnect(self, why: str) -> None:
+        """The syncer went silent, or the connection closed: drop the socket (and whatever
+        zmq queued in it) and start over on a new one, with a fresh ticket (zmq would
+        reconnect with the spent one); hellos follow with capped exponential backoff and
+        jitter until welcomed."""
+        log.warning("learner %d: %s; reconnecting", self.learner, why)
         self._disconnect()
         if self.state is LinkState.LIVE:
             self._enter(LinkState.HELLO)

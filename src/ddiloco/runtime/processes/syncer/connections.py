@@ -47,6 +47,7 @@ from ddiloco.runtime.processes.transport.auth import (
 from ddiloco.runtime.processes.transport.ratelog import RateLimitedLog, Throttle
 from ddiloco.runtime.processes.transport.shm import writer_for
 from ddiloco.runtime.processes.transport.sockets import Socket, configure, new_session
+from ddiloco.runtime.processes.transport.tickets import TicketBook
 from ddiloco.runtime.processes.transport.wire import (
     Header,
     Limits,
@@ -88,6 +89,7 @@ class Connections:
         limits: Limits,
         shm: bool,
         clock: Callable[[], float] = time.monotonic,
+        tickets: TicketBook | None = None,
     ) -> None:
         self.slots = slots
         self.clock = clock
@@ -95,7 +97,7 @@ class Connections:
         writer = writer_for(run_id, "S", session, bind.rpartition(":")[0], shm)
         self.wire = Wire(run_id, secret, "S", session, limits, shm=writer)
         self.ctx: zmq.Context[Socket] = zmq.Context()
-        self.gate = Gatekeeper(self.ctx, secret, run_id, self.is_member)
+        self.gate = Gatekeeper(self.ctx, secret, run_id, self.is_member, tickets=tickets)
         self.gate.start()  # before the bind: no handshake goes unchecked
         self.sock = self.ctx.socket(zmq.ROUTER)
         configure(self.sock, limits)

@@ -63,6 +63,7 @@ from ddiloco.runtime.processes.syncer.summary import service_summary
 from ddiloco.runtime.processes.syncer.totals import RunningTotals
 from ddiloco.runtime.processes.transport.events import Events
 from ddiloco.runtime.processes.transport.ratelog import Throttle
+from ddiloco.runtime.processes.transport.tickets import TicketBook
 from ddiloco.runtime.processes.transport.wire import (
     Limits,
     WireError,
@@ -129,8 +130,11 @@ class SyncerService:
         self.payloads: dict[tuple[int, int, int], bytes] = {}  # journal inputs, until merged
         self.limits = Limits(max_payload=max(64 << 20, 4 * self.plan.total_bytes))
         shm = self.config.processes.shared_memory
+        # the connection tickets admitted, kept in the store: a restarted syncer refuses a
+        # handshake its earlier life admitted (a captured one, replayed)
+        tickets = TicketBook(self.store.tickets_path)
         self.conn = Connections(
-            bind, run_id, secret, setup.slots, self.limits, shm, clock=events.now
+            bind, run_id, secret, setup.slots, self.limits, shm, clock=events.now, tickets=tickets
         )
         self.counts = self.conn.counts  # one tally of what was refused, dropped, re-sent
         self.send = self.conn.send

@@ -63,6 +63,7 @@ from ddiloco.runtime.processes.syncer.store_format import (
     MAGIC,
     MANIFEST,
     MANIFEST_FORMAT,
+    TICKETS_FILE,
     FragmentRecord,
     Key,
     StoreError,
@@ -189,6 +190,7 @@ class SyncerStore:
         self.manifest_path = self.dir / MANIFEST
         self.journal_path = self.dir / "journal.bin"
         self.ledger_path = self.dir / "ledger.bin"
+        self.tickets_path = self.dir / TICKETS_FILE  # the connection tickets admitted
         self.writes = 0
         self.seq = 0  # of the latest ledger snapshot written or loaded
         self.ledger_state: dict[str, Any] | None = None  # the latest one on disk, after load()

@@ -32,6 +32,7 @@ from ddiloco.runtime.run import RunSetup
 
 MAGIC = b"DDSF"
 MANIFEST = "manifest.json"
+TICKETS_FILE = "tickets.bin"  # the connection tickets admitted (transport/tickets.py)
 MANIFEST_FORMAT = 1
 _HEAD = struct.Struct("<4sI")
 _CRC = struct.Struct("<I")

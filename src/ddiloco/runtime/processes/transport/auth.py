@@ -3,8 +3,9 @@
 Every listening socket of a run (the syncer's, each learner's snapshot server, the fault
 proxy's front) is a ZMTP PLAIN server whose handshakes a :class:`Gatekeeper` checks (the ZAP
 handler of its zmq context) *before* libzmq routes, buffers or delivers a single message:
-the username names who connects (``L3``: learner 3), the password is
-HMAC-SHA256(secret, "ddiloco-connect-v1" | run id | username). A peer without them never
+the username is a one-time ticket naming who connects (``L3.<time>.<nonce>``: learner 3;
+tickets.py), the password is HMAC-SHA256(secret, "ddiloco-connect-v2" | run id | username).
+A server admits a ticket once, so a captured handshake cannot be replayed. A peer without them never
 completes the handshake, so it can send nothing (no frame to hash, no multipart message to
 grow, no routing id to take over) and libzmq closes its connection. Every message that does
 arrive carries the authenticated name as its ``User-Id`` property, so the syncer learns
@@ -13,9 +14,9 @@ which learner a connection belongs to from the handshake, never from what the pe
 Why PLAIN + ZAP and not CurveZMQ (docs/decisions.md 36): CURVE encrypts every byte (about
 0.25 GB/s per core here), which would cost the bulk path most of its throughput; frames are
 already authenticated one by one with HMAC-SHA256 (wire.py). PLAIN's password crosses the
-wire in clear: it keeps out anyone who can only *connect* (the attacks we measured), not an
-eavesdropper on the path, who could replay it to connect (but still cannot forge a frame).
-Across untrusted networks, run the links inside WireGuard or TLS (docs/security.md).
+wire in clear; being a one-time ticket, it is worth nothing once seen. An eavesdropper still
+reads the traffic: across untrusted networks, run the links inside WireGuard or TLS
+(docs/security.md).
 
 The gatekeeper bounds what failed handshakes may cost: a token bucket per source address,
 and an address that keeps failing is shut out for a while (its refusals are then counted as
@@ -40,12 +41,18 @@ from dataclasses import dataclass
 import zmq
 
 from ddiloco.runtime.processes.transport.ratelog import RateLimitedLog
+from ddiloco.runtime.processes.transport.tickets import (
+    SKEW_SECONDS,
+    TicketBook,
+    make_ticket,
+    parse_ticket,
+)
 
 log = logging.getLogger(__name__)
 
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"
 DOMAIN = b"ddiloco"
-LABEL = b"ddiloco-connect-v1"
+LABEL = b"ddiloco-connect-v2"  # v2: the username is a one-time ticket
 LEARNER_NAME = re.compile(r"L(\d{1,6})")
 MAX_ADDRESSES = 4096  # source addresses remembered by the rate limiter (oldest forgotten)
 WHY = {
@@ -54,6 +61,10 @@ WHY = {
     "mechanism": "no ddiloco credentials (PLAIN) presented",
     "handshake_rate": "too many failed handshakes",
     "banned": "address shut out after repeated failures",
+    "not_a_ticket": "not a connection ticket (a ddiloco older than this one?)",
+    "replayed": "a connection ticket used before (a replayed capture?)",
+    "clock": f"a ticket whose time is over {SKEW_SECONDS:.0f}s from ours (clocks out of sync?)",
+    "tickets_full": "too many connections with fresh tickets",
 }
 
 
@@ -64,9 +75,14 @@ def credential(secret: bytes, run: str, name: str) -> bytes:
 
 
 def present(sock: zmq.Socket[bytes], secret: bytes, run: str, name: str) -> None:
-    """Make a connecting socket present ``name``'s credentials (before ``connect``)."""
-    sock.plain_username = name.encode()
-    sock.plain_password = credential(secret, run, name)
+    """Make a connecting socket present a fresh ticket of ``name`` (before ``connect``).
+
+    A ticket is good for one handshake: libzmq reconnects a socket with the ticket it was
+    given, which the server refuses, so the owner replaces a socket whose connection closed
+    (:class:`HandshakeWatch` says when)."""
+    user = make_ticket(name)
+    sock.plain_username = user.encode()
+    sock.plain_password = credential(secret, run, user)
 
 
 def learner_of(user: str | None) -> int | None:
@@ -102,7 +118,8 @@ class Gatekeeper(threading.Thread):
     Call order: construct and :meth:`start` *before* binding any server socket (a PLAIN
     server whose context has no handler would refuse nobody: ``ZAP_ENFORCE_DOMAIN`` is set
     too, where libzmq has it), then :func:`serve_plain` each server socket; :meth:`close`
-    after closing them. ``accept(name)`` says which names may connect at all.
+    after closing them. ``accept(name)`` says which names may connect at all; ``tickets``
+    remembers the one-time tickets admitted (the syncer's journals them in its store).
     """
 
     def __init__(
@@ -113,8 +130,10 @@ class Gatekeeper(threading.Thread):
         accept: Callable[[str], bool],
         bounds: Bounds | None = None,
         clock: Callable[[], float] = time.monotonic,
+        tickets: TicketBook | None = None,
     ) -> None:
         super().__init__(name="zap-gatekeeper", daemon=True)
+        self.tickets = tickets or TicketBook()
         self.secret = secret
         self.run_id = run
         self.accept = accept
@@ -122,7 +141,6 @@ class Gatekeeper(threading.Thread):
         self.clock = clock
         self.counts: Counter[str] = Counter()
         self._addresses: OrderedDict[bytes, _Address] = OrderedDict()
-        self._expected: dict[str, bytes] = {}
         self._say = RateLimitedLog(log)
         self._closing = threading.Event()
         self.sock = ctx.socket(zmq.REP)
@@ -197,17 +215,22 @@ class Gatekeeper(threading.Thread):
         if mechanism != b"PLAIN" or len(creds) != 2:
             return mechanism.decode(errors="replace")[:16], "mechanism"
         try:
-            name = creds[0].decode("ascii")
+            ticket = parse_ticket(creds[0].decode("ascii"))
         except UnicodeDecodeError:
             return "<not ascii>", "unknown_name"
+        if ticket is None:
+            return creds[0].decode("ascii", errors="replace")[:32], "not_a_ticket"
+        name, stamp, nonce = ticket
         if len(name) > 32 or not self.accept(name):
             return name[:32], "unknown_name"
-        expected = self._expected.get(name)
-        if expected is None:
-            expected = self._expected[name] = credential(self.secret, self.run_id, name)
+        expected = credential(self.secret, self.run_id, creds[0].decode("ascii"))
         if not hmac.compare_digest(expected, creds[1]):
             return name, "bad_credentials"
-        return name, None
+        refused = self.tickets.admit(stamp, nonce)  # only genuine tickets reach the book
+        if self.tickets.journal_error is not None:
+            log.error("cannot journal connection tickets (%s)", self.tickets.journal_error)
+            self.tickets.journal_error = None
+        return name, refused
 
     def _source(self, address: bytes, now: float) -> _Address:
         source = self._addresses.get(address)
@@ -235,17 +258,22 @@ WATCHED = (
     | zmq.EVENT_HANDSHAKE_FAILED_AUTH
     | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
     | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+    | zmq.EVENT_DISCONNECTED
 )
+RENEW_SECONDS = 60.0  # a ticket older than this, refused, is renewed rather than fatal
 
 
 class HandshakeWatch:
-    """Tells a connecting socket's owner, within milliseconds, why its handshakes fail.
+    """Tells a connecting socket's owner, within milliseconds, why its handshakes fail, and
+    when its ticket is spent.
 
     libzmq retries a refused connection quietly for ever; a learner must instead stop and say
     that the server refused its credentials (wrong secret or run id). Other failures (a
     handshake cut short by a server restarting, or a server that is not ddiloco's) are
     counted in :attr:`failures`: the learner gives up on them only after its give-up time,
-    and says how many there were. Poll it from the thread that owns the socket.
+    and says how many there were. :attr:`renew` is set once the socket's ticket is spent (its
+    connection closed after a handshake, or an old ticket refused): the owner replaces the
+    socket, with a fresh ticket (:func:`present`). Poll it from the thread that owns the socket.
     """
 
     def __init__(self, sock: zmq.Socket[bytes], address: str) -> None:
@@ -253,6 +281,9 @@ class HandshakeWatch:
         self.sock = sock
         self.mon = sock.get_monitor_socket(WATCHED)
         self.failures = 0
+        self.made = time.monotonic()
+        self.admitted = False  # a handshake with this socket's ticket succeeded
+        self.renew = False
 
     def poll(self) -> str | None:
         """Why the server refused us for good (our credentials), else None."""
@@ -261,12 +292,20 @@ class HandshakeWatch:
         while self.mon.poll(0):
             event = recv_monitor_message(self.mon)
             kind = event["event"]
-            if kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+            if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self.admitted = True
+            elif kind == zmq.EVENT_DISCONNECTED:
+                self.renew = self.renew or self.admitted  # zmq would reuse the spent ticket
+            elif kind == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+                if self.admitted or time.monotonic() - self.made > RENEW_SECONDS:
+                    self.renew = True  # a spent or stale ticket: a fresh one will do
+                    continue
                 return (
                     f"{self.address} refused our credentials (ZAP status "
-                    f"{event['value']}): wrong secret or run id"
+                    f"{event['value']}): wrong secret or run id, or this machine's clock is "
+                    f"over {SKEW_SECONDS:.0f}s from the server's"
                 )
-            if kind != zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            else:
                 self.failures += 1
         return None
 

@@ -45,7 +45,13 @@ from ddiloco.config import NetworkConfig
 from ddiloco.core.links import Links
 from ddiloco.errors import ConfigError, require
 from ddiloco.runtime.processes import terminate
-from ddiloco.runtime.processes.transport.auth import Gatekeeper, learner_of, present, serve_plain
+from ddiloco.runtime.processes.transport.auth import (
+    Gatekeeper,
+    HandshakeWatch,
+    learner_of,
+    present,
+    serve_plain,
+)
 from ddiloco.runtime.processes.transport.events import EVENT_PREFIX
 from ddiloco.runtime.processes.transport.sockets import Socket, load_secret
 
@@ -278,6 +284,7 @@ class FaultProxy:
         self.routes: dict[int, bytes] = {}  # learner -> its connection to our front
         self.backs: dict[int, Socket] = {}
         self.back_learner: dict[Socket, int] = {}
+        self.watches: dict[int, HandshakeWatch] = {}  # learner -> its back socket's ticket
         self.poller = zmq.Poller()
         self.poller.register(self.front, zmq.POLLIN)
         self.delayed: list[tuple[float, int, Socket, list[bytes], int | None, str]] = []
@@ -293,11 +300,28 @@ class FaultProxy:
             sock = self.ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
             present(sock, self.secret, self.run_id, f"L{learner}")
+            self.watches[learner] = HandshakeWatch(sock, self.target)
             sock.connect(f"tcp://{self.target}")
             self.backs[learner] = sock
             self.back_learner[sock] = learner
             self.poller.register(sock, zmq.POLLIN)
         return sock
+
+    def _renew_backs(self) -> None:
+        """Replace a back socket whose one-time ticket is spent (the syncer restarted, or the
+        connection broke): zmq would reconnect it with the spent ticket, refused for ever."""
+        for learner, watch in list(self.watches.items()):
+            refused = watch.poll()
+            if refused is not None:
+                log.error("proxy: the syncer at %s", refused)
+            if watch.renew or refused is not None:
+                watch.close()
+                del self.watches[learner]
+                sock = self.backs.pop(learner)
+                del self.back_learner[sock]
+                self.poller.unregister(sock)
+                sock.close(0)
+                self.counts["renewed"] += 1
 
     def injure(self, parts: list[bytes]) -> list[list[bytes]]:
         """What to send for one message: nothing, it, it twice, or a damaged copy."""
@@ -403,12 +427,15 @@ class FaultProxy:
                         if route is not None:
                             self._forward(self.front, [route, *frames], learner, DOWN)
             self._apply_commands()
+            self._renew_backs()
             now = time.monotonic()
             while self.delayed and self.delayed[0][0] <= now:
                 _, _, sock, parts, learner, direction = heapq.heappop(self.delayed)
                 self._onto_link(sock, parts, learner, direction)
             for sock, parts in self.links.due(time.monotonic()):
                 self._send(sock, parts)
+        for watch in self.watches.values():
+            watch.close()
         for sock in (self.front, *self.backs.values()):
             sock.close(0)
         self.gate.close()
