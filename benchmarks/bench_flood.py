@@ -30,6 +30,7 @@ import zmq
 from ddiloco.config import load_config
 from ddiloco.runtime.processes.transport.auth import present
 from ddiloco.runtime.processes.transport.events import EVENT_PREFIX
+from ddiloco.runtime.processes.transport.tickets import make_ticket
 from ddiloco.runtime.processes.transport.wire import Wire
 from syncer_process import start_syncer
 
@@ -65,7 +66,7 @@ def zmq_flood(address: str, until: float, totals: dict[str, int], password: byte
         sock = ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
         if password is not None:
-            sock.plain_username, sock.plain_password = b"L0", password
+            sock.plain_username, sock.plain_password = make_ticket("L0").encode(), password
         sock.connect(f"tcp://{address}")
         with contextlib.suppress(zmq.Again):
             sock.send(b"x" * 4096, zmq.NOBLOCK)

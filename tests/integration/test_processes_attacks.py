@@ -26,6 +26,7 @@ from ddiloco.core.codec import CodecSpec, encode_tensors
 from ddiloco.core.plans import gather
 from ddiloco.errors import FATAL_EXIT
 from ddiloco.runtime.processes.launcher.fragments import free_port
+from ddiloco.runtime.processes.transport.tickets import make_ticket
 from ddiloco.runtime.processes.transport.wire import FLAG_SHM, PREFIX, VERSION, Wire, decode_update
 from ddiloco.runtime.run import RunSetup
 
@@ -52,7 +53,7 @@ def test_peers_without_the_secret_get_nothing_crash_nothing_and_displace_nobody(
             if identity is not None:
                 sock.setsockopt(zmq.IDENTITY, identity)  # take learner 0's route, as before
             if password is not None:
-                sock.plain_username, sock.plain_password = b"L0", password
+                sock.plain_username, sock.plain_password = make_ticket("L0").encode(), password
             sock.connect(f"tcp://{syncer.address}")
             attackers.append(sock)
         for _ in range(10):  # reconnects that once shut learner 0 out for good
