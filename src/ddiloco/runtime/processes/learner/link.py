@@ -65,6 +65,8 @@ Key = tuple[int, int, int]
 
 
 KILLED_EXIT = 1  # a learner killed from the status page exits as a crashed one (restarted)
+INVALID_RESYNC = 8  # answers refused as invalid in a row before the link registers again
+INVALID_RESYNCS = 3  # ... and registrations that did not help before the learner stops
 
 
 def _why(meta: dict[str, Any]) -> str:
@@ -181,6 +183,8 @@ class SyncerLink(threading.Thread):
         self._asking_peers = threading.Event()  # a request_peers call is waiting
         self.syncer_session: int | None = None
         self.reconnects = 0
+        self.invalid_in_a_row = 0  # answers the syncer refused as invalid since one was not
+        self.resyncs = 0  # registrations for that reason since an answer was not refused
         self.next_hello = 0.0
         self.carry: dict[str, Any] | None = None  # progress not yet delivered
         # this life's running totals (tokens reported, rebases per fragment), stamped on every
@@ -485,6 +489,7 @@ class SyncerLink(threading.Thread):
         elif h.kind == "verdict":
             key = h.meta["key"]
             self._forget((key[0], key[1], key[2]))
+            self._judged(str(h.meta.get("verdict")))
         elif h.kind == "welcome":
             self.welcome = h.meta
             self._enter(LinkState.LIVE)
@@ -523,6 +528,35 @@ class SyncerLink(threading.Thread):
             self.slots.clear()
             self._resend(by_shm)
 
+    def _judged(self, verdict: str) -> None:
+        """An answer refused as ``invalid`` names a fragment version or a round the syncer
+        never made: one is a race, many in a row mean this learner's state is not the run's
+        (a lying peer's snapshot, a foreign save). Register again: the syncer then refuses
+        versions ahead of its own by name, or sends what it holds; if that does not help
+        either, stop, saying so, rather than train for nothing."""
+        if verdict != "invalid":
+            self.invalid_in_a_row = self.resyncs = 0
+            return
+        self.invalid_in_a_row += 1
+        if self.invalid_in_a_row < INVALID_RESYNC:
+            return
+        self.invalid_in_a_row = 0
+        self.resyncs += 1
+        if self.resyncs > INVALID_RESYNCS:
+            self._fail(
+                f"{INVALID_RESYNC * INVALID_RESYNCS} answers refused as invalid, through "
+                f"{INVALID_RESYNCS} registrations: this learner's fragment versions or rounds "
+                "are not the run's (a foreign save or peer?)"
+            )
+            return
+        log.warning(
+            "learner %d: %d answers in a row refused as invalid (a fragment version or round "
+            "the syncer never made); registering again to resynchronise",
+            self.learner,
+            INVALID_RESYNC,
+        )
+        self._rehello()
+
     def _prove(self, session: int, nonce: Any) -> None:
         """Answer a challenge (syncer/admission.py): the frames this connection sent before
         were dropped unread, so a live link says hello again and re-pushes its answers."""
@@ -553,6 +587,7 @@ class SyncerLink(threading.Thread):
             answer = self.pending.get((k[0], k[1], k[2]))
             if answer is None:
                 continue
+            self.invalid_in_a_row = self.resyncs = 0  # one of ours was merged
             frag, base = answer[0]["fragment"], answer[0]["base_version"]
             for key, (m, _) in list(self.pending.items()):
                 if key[:2] == (k[0], k[1]) and m["fragment"] == frag and m["base_version"] <= base:
