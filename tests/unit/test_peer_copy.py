@@ -368,3 +368,50 @@ def test_a_snapshot_is_checked_against_the_plan_and_the_syncers_versions():
     assert "3 fragment versions" in str(snapshot_refusal({"sync": {"versions": [1] * 3}}, None, 2))
     for hostile in ({}, {"sync": {}}, {"sync": {"versions": "x"}}, [], {"sync": {"versions": 7}}):
         assert "no fragment versions" in str(snapshot_refusal(hostile, [3, 4], 2))
+
+
+def test_a_flood_of_snapshot_requests_is_bounded_and_said(caplog):
+    """An insider asks for snapshots as fast as it can, from one connection and from many:
+    one connection is served once a second, at most 16 newcomers wait at once, the rest are
+    told ``snap_busy`` (a newcomer told so tries its next donor); each refusal is counted
+    and said. The donor's loop is frozen meanwhile: nothing is taken, so they all wait."""
+    import zmq
+
+    from ddiloco.runtime.processes.transport.auth import present
+    from ddiloco.runtime.processes.transport.sockets import new_session
+    from ddiloco.runtime.processes.transport.wire import Limits, Wire
+
+    caplog.set_level(logging.WARNING)
+    server = SnapshotServer("127.0.0.1", RUN, SECRET, 0)
+    server.start()
+    ctx = zmq.Context()
+    socks = []
+    try:
+        for m in range(24):
+            sock = ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            present(sock, SECRET, RUN, f"L{m}")
+            sock.connect(f"tcp://{server.address}")
+            socks.append(sock)
+        wire = Wire(RUN, SECRET, "R9", new_session(), Limits(max_payload=1024))
+        for i in range(500):  # one connection, 500 requests
+            socks[0].send_multipart(wire.encode("snap_begin", learner=0, meta={"req": i}))
+        for m, sock in enumerate(socks[1:], start=1):  # 23 more newcomers, one request each
+            sock.send_multipart(wire.encode("snap_begin", learner=m, meta={"req": 1000 + m}))
+        busy = 0
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and busy < 24 - peer.MAX_WAITING:
+            for sock in socks[1:]:
+                while sock.poll(0):
+                    busy += wire.decode(sock.recv_multipart()).kind == "snap_busy"
+            time.sleep(0.02)
+        assert busy == 24 - peer.MAX_WAITING
+        assert len(server._waiting) == peer.MAX_WAITING
+        assert server.refused["begin_rate"] == 499 and server.refused["busy"] == busy
+        assert "refused 1 snapshot requests (too many newcomers at once)" in caplog.text
+        assert "(asked too often)" in caplog.text
+    finally:
+        for sock in socks:
+            sock.close(0)
+        ctx.term()
+        server.close()

@@ -41,6 +41,8 @@ WAIT_SECONDS = 120.0  # the most a requester waits for a donor's loop to take it
 IDLE_KEEP_SECONDS = 30.0  # a snapshot nobody asked anything of for this long is freed
 SHARE_SECONDS = 5.0  # a snapshot this young serves a new requester too (a burst of restarts)
 MAX_HELD = 3  # past this many held, a new requester shares the newest whatever its age
+MAX_WAITING = 16  # newcomers waiting for one snapshot at once; more are told the donor is busy
+BEGIN_SECONDS = 1.0  # one connection's snapshot requests are served at most this often
 LOOP_ALIVE_SECONDS = 60.0  # a donor whose loop looked this recently sends heartbeats
 HEARTBEAT_SECONDS = 1.0
 
@@ -111,7 +113,9 @@ class SnapshotServer(threading.Thread):
         self._next_id = 0
         self._polled = -1e9  # when the training loop last looked at `wanted`
         self._closing = threading.Event()
+        self._began: dict[bytes, float] = {}  # connection -> its latest snap_begin served
         self.served = 0
+        self.refused: dict[str, int] = {}  # requests refused, by reason (counted, said)
 
     @property
     def wanted(self) -> bool:
@@ -206,6 +210,8 @@ class SnapshotServer(threading.Thread):
             return
         if msg.kind == "snap_begin":  # a fresh held snapshot serves a late requester too
             req = int(meta["req"])
+            if not self._admit_begin(ident, req):
+                return
             with self._lock:
                 sid = self._next_id
                 held = self._held.get(sid)
@@ -236,6 +242,34 @@ class SnapshotServer(threading.Thread):
             self.served += len(chunk)
         elif msg.kind == "snap_sum":  # "" until the digest thread is done
             self._reply(ident, "snap_sum", {"id": sid, "blake3": held.digest})
+
+    def _admit_begin(self, ident: bytes, req: int) -> bool:
+        """A snapshot request is cheap to send and costs the donor a clone: one connection
+        is served at most every BEGIN_SECONDS (an honest newcomer asks every few seconds),
+        and at most MAX_WAITING newcomers wait at once (more: ``snap_busy``, and the
+        newcomer tries its next donor). Counted in :attr:`refused` and said, rate-limited."""
+        now = time.monotonic()
+        if now - self._began.get(ident, -1e9) < BEGIN_SECONDS:
+            return self._refuse("begin_rate", None)
+        if req not in self._waiting and len(self._waiting) >= MAX_WAITING:
+            return self._refuse("busy", ident)
+        self._began[ident] = now
+        if len(self._began) > 4 * MAX_WAITING:  # forget the connections gone quiet
+            self._began = {i: t for i, t in self._began.items() if now - t < BEGIN_SECONDS}
+        return True
+
+    def _refuse(self, why: str, ident: bytes | None) -> bool:
+        self.refused[why] = self.refused.get(why, 0) + 1
+        if self.refused[why] in (1, 10, 100, 1000) or self.refused[why] % 10000 == 0:
+            log.warning(
+                "snapshot server %d: refused %d snapshot requests (%s)",
+                self.learner,
+                self.refused[why],
+                "too many newcomers at once" if why == "busy" else "asked too often",
+            )
+        if ident is not None:
+            self._reply(ident, "snap_busy", {})
+        return False
 
     def _reply(
         self, ident: bytes, kind: str, meta: dict[str, Any], payload: bytes | memoryview = b""

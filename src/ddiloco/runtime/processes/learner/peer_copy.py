@@ -105,7 +105,7 @@ class _Fetch:
             self.sock.send_multipart(self.wire.encode(kind, learner=self.learner, meta=meta))
 
     def receive(self, until: float) -> Message | None:
-        """The next authentic frame before ``until``; raises on ``snap_gone``."""
+        """The next authentic frame before ``until``; raises on ``snap_gone``, ``snap_busy``."""
         assert self.sock is not None
         while (left := until - time.monotonic()) > 0:
             if not self.sock.poll(max(1, int(left * 1000))):
@@ -116,6 +116,8 @@ class _Fetch:
                 continue
             if msg.kind == "snap_gone":
                 raise self.fail("it no longer holds the snapshot (snap_gone)")
+            if msg.kind == "snap_busy":
+                raise self.fail("it serves too many newcomers at once (snap_busy)")
             return msg
         return None
 

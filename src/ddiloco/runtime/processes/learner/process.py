@@ -250,6 +250,9 @@ class LearnerProcess:
                 longest_link_gap=round(self.link.longest_gap, 3),
                 idle_seconds=round(self.idle_seconds, 4),
                 refused=dict(self.link.wire.refused),
+                snapshots_served=self.server.served,
+                snapshot_refused=dict(self.server.refused),
+                snapshot_gatekeeper=dict(self.server.gate.counts),
                 ranks=self.ranks.world,
                 ranks_in_sync=in_sync,
             )
