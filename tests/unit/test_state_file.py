@@ -54,6 +54,38 @@ def test_every_damage_is_refused_naming_the_file(tmp_path, damage, why):
     assert str(path) in str(err.value)
 
 
+def test_a_keyed_save_is_bound_to_its_run_secret(tmp_path):
+    """A save digested under the run secret's key: read back under it; refused under another
+    run's, without a key, and when someone without the secret rewrote it and recomputed a
+    plain digest (the tamperer of a `--resume` save, issue 29)."""
+    import blake3
+
+    from ddiloco.runtime.processes.state_file import KEYED, state_key
+
+    key, other = state_key(bytes(range(32))), state_key(bytes(range(1, 33)))
+    assert key != other and len(key) == 32
+    path, _ = KIND.write(tmp_path, 1, state(1), key)
+    assert KIND.read(path, key)["step"] == 1
+    with pytest.raises(CheckpointError, match="another run's") as err:
+        KIND.read(path, other)
+    assert str(path) in str(err.value)
+    with pytest.raises(CheckpointError, match="this reader has none"):
+        KIND.read(path)
+    plain, _ = KIND.write(tmp_path / "plain", 1, state(1))
+    with pytest.raises(CheckpointError, match="not digested under the run secret"):
+        KIND.read(plain, key)
+    n, head = len(KIND.magic), KIND.head
+    # tampered: another state put in its place, digested the only way a forger can
+    forged = bytearray(KIND.write(tmp_path / "f", 2, state(2))[0].read_bytes())
+    forged[n : n + 4] = (KIND.version | KEYED).to_bytes(4, "little")  # claims to be keyed
+    hasher = blake3.blake3(bytes(forged[: n + 12]))  # ... with the only digest it can make
+    hasher.update(bytes(forged[head:]))
+    forged[n + 12 : head] = hasher.digest()
+    path.write_bytes(bytes(forged))
+    with pytest.raises(CheckpointError, match="checksum mismatch"):
+        KIND.read(path, key)
+
+
 def test_a_missing_field_or_file_is_refused(tmp_path):
     path, _ = KIND.write(tmp_path, 1, {"step": 1})
     with pytest.raises(CheckpointError, match=r"missing fields \['weights'\]"):

@@ -4,8 +4,9 @@ Used for what a process needs to carry on after its death, not for the model a u
 (:mod:`ddiloco.checkpoints`): the data-parallel job's rollback checkpoints and a learner's
 local checkpoint (weights, inner optimizer, step, data position, sync state). The layout is a
 magic naming the kind, a format version, the payload length and a BLAKE3 digest of all that and
-the payload, then the tree format of :mod:`~ddiloco.runtime.processes.transport.tree` (msgpack
-plus raw tensors: nothing is unpickled). A save is written to a temp file, fsynced, renamed,
+the payload (keyed by the run secret where the process has one: :func:`state_key`), then the
+tree format of :mod:`~ddiloco.runtime.processes.transport.tree` (msgpack plus raw tensors:
+nothing is unpickled). A save is written to a temp file, fsynced, renamed,
 the directory fsynced, and the newest ``keep`` are kept, so a crash mid-save leaves the last
 one intact. A damaged, truncated, foreign or incomplete file is refused naming the path.
 
@@ -34,6 +35,19 @@ from ddiloco.checkpoints.write import fsync
 from ddiloco.runtime.processes.transport.tree import PREFIX, Layout, TreeWriter
 
 CHUNK = 8 << 20  # bytes hashed (read back) at a time
+KEYED = 1 << 31  # set in the version word: the digest is BLAKE3 keyed by the run secret
+KEY_CONTEXT = "ddiloco 2026-12 process state file v1"
+
+
+def state_key(secret: bytes) -> bytes:
+    """The key a process's saves are digested under: derived from the run secret, so a save
+    is bound to its run (another run's, or one whose digest was recomputed by someone
+    without the secret, is refused) and the secret itself never keys anything but frames."""
+    return blake3.blake3(secret, derive_key_context=KEY_CONTEXT).digest()
+
+
+def _hasher(key: bytes | None, data: bytes) -> Any:
+    return blake3.blake3(data, key=key) if key is not None else blake3.blake3(data)
 
 
 def private_directory(directory: Path) -> None:
@@ -92,20 +106,25 @@ class StateFile:
         found = self.saves(directory)
         return found[-1] if found else None
 
-    def write(self, directory: Path, step: int, state: dict[str, Any]) -> tuple[Path, int]:
+    def write(
+        self, directory: Path, step: int, state: dict[str, Any], key: bytes | None = None
+    ) -> tuple[Path, int]:
         """Save ``state`` atomically and keep the newest ``keep``; returns its path and size.
         A failed write (disk full) is a :class:`CheckpointError` naming the file; the earlier
-        saves are intact."""
-        return self.publish(self.stage(directory, step, state))
+        saves are intact. ``key`` (:func:`state_key`): digest under it."""
+        return self.publish(self.stage(directory, step, state, key), key)
 
-    def stage(self, directory: Path, step: int, state: dict[str, Any]) -> Staged:
+    def stage(
+        self, directory: Path, step: int, state: dict[str, Any], key: bytes | None = None
+    ) -> Staged:
         """Stream ``state`` into the save's temp file, one tensor at a time (a device tensor
         through one host copy of itself); its digest is left zero for :meth:`publish`."""
         path = self.path(directory, step)
         tmp = directory / f".{path.name}.tmp"
         layout = Layout(state)  # views over the tensors (a device tensor: one host copy)
         length = layout.size
-        prefix = self.magic + self.version.to_bytes(4, "little") + length.to_bytes(8, "little")
+        word = self.version | (KEYED if key is not None else 0)
+        prefix = self.magic + word.to_bytes(4, "little") + length.to_bytes(8, "little")
         try:
             private_directory(directory)
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
@@ -119,14 +138,15 @@ class StateFile:
             raise CheckpointError(path, f"cannot write it: {exc}") from exc
         return Staged(directory, step, tmp, self.head + length)
 
-    def publish(self, staged: Staged) -> tuple[Path, int]:
-        """Hash a staged save (read back in chunks), write its digest, fsync it, rename it
-        to its name and keep the newest ``keep``; returns its path and size."""
+    def publish(self, staged: Staged, key: bytes | None = None) -> tuple[Path, int]:
+        """Hash a staged save (read back in chunks; under ``key``, as it was staged), write
+        its digest, fsync it, rename it to its name and keep the newest ``keep``; returns
+        its path and size."""
         path = self.path(staged.directory, staged.step)
         n = len(self.magic)
         try:
             with staged.tmp.open("r+b") as f:
-                hasher = blake3.blake3(f.read(n + 12))
+                hasher = _hasher(key, f.read(n + 12))
                 f.seek(self.head)
                 _hash_rest(f, hasher)
                 f.seek(n + 12)
@@ -142,12 +162,13 @@ class StateFile:
             old.unlink(missing_ok=True)
         return path, staged.size
 
-    def read(self, path: Path) -> dict[str, Any]:
-        """A save's state after checking every byte; :class:`CheckpointError` naming the file
-        if it is missing, truncated, damaged, another kind's or lacks a field."""
+    def read(self, path: Path, key: bytes | None = None) -> dict[str, Any]:
+        """A save's state after checking every byte (under ``key``: a save keyed otherwise,
+        or not keyed, is refused); :class:`CheckpointError` naming the file if it is
+        missing, truncated, damaged, another run's, another kind's or lacks a field."""
         try:
             with path.open("rb") as f:
-                state = self._read(path, f)
+                state = self._read(path, f, key)
         except OSError as exc:
             raise CheckpointError(path, f"cannot read it: {exc.strerror or exc}") from None
         if not isinstance(state, dict):
@@ -157,7 +178,7 @@ class StateFile:
             raise CheckpointError(path, f"missing fields {missing}")
         return state
 
-    def _read(self, path: Path, f: BinaryIO) -> Any:
+    def _read(self, path: Path, f: BinaryIO, key: bytes | None) -> Any:
         size = os.fstat(f.fileno()).st_size
         head, n = self.head, len(self.magic)
         first = f.read(head)
@@ -165,7 +186,8 @@ class StateFile:
             raise CheckpointError(path, f"truncated: {size} bytes, shorter than its header")
         if first[:n] != self.magic:
             raise CheckpointError(path, f"not a ddiloco {self.what} (bad magic)")
-        version = int.from_bytes(first[n : n + 4], "little")
+        word = int.from_bytes(first[n : n + 4], "little")
+        version, keyed = word & ~KEYED, bool(word & KEYED)
         if version != self.version:
             raise CheckpointError(
                 path, f"format version {version}, this build reads {self.version}"
@@ -174,10 +196,18 @@ class StateFile:
         if length != size - head:
             why = f"truncated or extended: {size - head} payload bytes, its header says {length}"
             raise CheckpointError(path, why)
-        hasher = blake3.blake3(first[: n + 12])
+        if keyed and key is None:
+            raise CheckpointError(path, "digested under a run secret, and this reader has none")
+        if key is not None and not keyed:
+            why = "not digested under the run secret (another build's, or rewritten by hand)"
+            raise CheckpointError(path, why)
+        hasher = _hasher(key, first[: n + 12])
         _hash_rest(f, hasher)
         if hasher.digest() != first[n + 12 : head]:
-            raise CheckpointError(path, "checksum mismatch: the file is damaged")
+            why = "checksum mismatch: the file is damaged"
+            if key is not None:
+                why += ", or it is another run's (digested under another secret)"
+            raise CheckpointError(path, why)
         f.seek(head)
         try:
             n = int.from_bytes(f.read(PREFIX), "little")

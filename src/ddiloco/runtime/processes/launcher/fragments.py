@@ -70,7 +70,7 @@ from ddiloco.runtime.processes.launcher.supervision import own_summary
 from ddiloco.runtime.processes.launcher.supervisor import Supervisor
 from ddiloco.runtime.processes.learner.local_checkpoint import learner_directory
 from ddiloco.runtime.processes.transport.shm import remove_run_directory
-from ddiloco.runtime.processes.transport.sockets import SECRET_ENV, parse_address
+from ddiloco.runtime.processes.transport.sockets import SECRET_ENV, load_secret, parse_address
 
 RELAYED = (
     "step",
@@ -130,16 +130,25 @@ class Launcher(Supervisor):
         )
         self.config_path.write_text(to_toml(child), encoding="utf-8")
         self.store = self.home / "syncer_state"
-        self.env[SECRET_ENV] = secrets.token_bytes(32).hex()
-        # (the status page's kill / leave need it: readable by this user only)
-        fd = os.open(self.home / "run.secret", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        os.fchmod(fd, 0o600)
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(self.env[SECRET_ENV] + "\n")
+        self.env[SECRET_ENV] = self.run_secret(self.home / "run.secret").hex()
         self.summary: dict[str, Any] | None = None
         self.learner_done: dict[int, dict[str, Any]] = {}
         self.seen: dict[str, Any] = {"rounds": 0, "eval": None}  # for a summary of our own
         self.spares = Spares(self, config.processes.spares)
+
+    def run_secret(self, path: Path) -> bytes:
+        """A fresh secret for a fresh run; a resumed run keeps its own (its learners' saves
+        are digested under a key derived from it: state_file.py). Written 0600 to ``path``
+        (the status page's kill / leave need it). A launch of another run id is refused by
+        the handshakes whatever the secret, so a leftover process cannot join."""
+        if self.resume and path.exists():
+            return load_secret(str(path))
+        secret = secrets.token_bytes(32)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.fchmod(fd, 0o600)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(secret.hex() + "\n")
+        return secret
 
     def connect(self) -> None:
         """Where the syncer listens (``address``), what the learners dial

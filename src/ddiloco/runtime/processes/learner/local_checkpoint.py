@@ -9,7 +9,9 @@ training thread, between two steps (a consistent save with no copy of the state 
 one costs as much as the training itself, issue 28); hashing, fsync and the rename follow on
 a thread of its own, one save at a time; a save that comes due while the last is still being
 finished is skipped. ``ddiloco train --resume`` starts each learner from its
-newest save; one of another model, method or fragment plan is refused naming the file.
+newest save; one of another model, method or fragment plan is refused naming the file, and
+so is one of another run: a save is digested under a key derived from the run secret
+(state_file.py's ``state_key``; the launcher keeps a run's secret across ``--resume``).
 """
 
 from __future__ import annotations
@@ -54,14 +56,16 @@ def identity(setup: RunSetup, m: int) -> dict[str, Any]:
     }
 
 
-def load_latest(directory: Path, expected: dict[str, Any]) -> dict[str, Any] | None:
+def load_latest(
+    directory: Path, expected: dict[str, Any], key: bytes | None = None
+) -> dict[str, Any] | None:
     """The newest save's state, None if there is none; refused (naming the file) when it is
-    damaged or another run's."""
+    damaged or another run's (digested under another key, or of another model or plan)."""
     found = LEARNER_STATE.latest(directory)
     if found is None:
         return None
     _, path = found
-    state = LEARNER_STATE.read(path)
+    state = LEARNER_STATE.read(path, key)
     held = state["identity"]
     if not isinstance(held, dict):
         raise CheckpointError(path, "its identity is not a table")
@@ -75,8 +79,11 @@ def load_latest(directory: Path, expected: dict[str, Any]) -> dict[str, Any] | N
 class LocalCheckpoints:
     """Saves one learner's state every ``every`` seconds (0: never), off the training thread."""
 
-    def __init__(self, directory: Path, every: float, expected: dict[str, Any]) -> None:
+    def __init__(
+        self, directory: Path, every: float, expected: dict[str, Any], key: bytes | None = None
+    ) -> None:
         self.directory = directory
+        self.key = key  # (state_file.state_key of the run secret)
         self.every = every
         self.identity = expected
         self.last = time.monotonic()
@@ -96,7 +103,9 @@ class LocalCheckpoints:
             self.skipped += 1
             return
         try:
-            staged = LEARNER_STATE.stage(self.directory, step, {"identity": self.identity, **state})
+            staged = LEARNER_STATE.stage(
+                self.directory, step, {"identity": self.identity, **state}, self.key
+            )
         except CheckpointError as exc:  # disk full: training goes on, the failure is said
             self._failed(exc)
             return
@@ -107,7 +116,7 @@ class LocalCheckpoints:
 
     def _publish(self, staged: Staged) -> None:
         try:
-            LEARNER_STATE.publish(staged)
+            LEARNER_STATE.publish(staged, self.key)
         except CheckpointError as exc:
             self._failed(exc)
             return

@@ -43,6 +43,7 @@ from ddiloco.runtime.processes.learner.local_checkpoint import (
 from ddiloco.runtime.processes.learner.peer import SnapshotServer
 from ddiloco.runtime.processes.learner.peer_copy import Copied, copy_from_peers
 from ddiloco.runtime.processes.learner.ranks import Apply, RankGroup
+from ddiloco.runtime.processes.state_file import state_key
 from ddiloco.runtime.processes.terminate import on_terminate
 from ddiloco.runtime.processes.transport.events import Events
 from ddiloco.runtime.processes.transport.shm import writer_for
@@ -171,7 +172,10 @@ class LearnerProcess:
         self.last_seconds = 0.0  # the last step's duration
         every = config.processes.learner_checkpoint_every if state_dir is not None else 0.0
         self.saves = LocalCheckpoints(
-            state_dir or Path("."), every if self.ranks.leader else 0.0, identity(setup, learner)
+            state_dir or Path("."),
+            every if self.ranks.leader else 0.0,
+            identity(setup, learner),
+            key=state_key(secret),  # a save is bound to its run
         )
 
     def status(self) -> dict[str, Any]:
@@ -427,7 +431,7 @@ class LearnerProcess:
         """A resumed run: start from our newest local checkpoint (weights, AdamW, step, data
         position, base versions) and register with it; the syncer sends the fragments merged
         since. False when there is none (then a peer, else the syncer)."""
-        state = load_latest(self.saves.directory, self.saves.identity)
+        state = load_latest(self.saves.directory, self.saves.identity, self.saves.key)
         if state is None:
             return False
         self.adopt(state)
