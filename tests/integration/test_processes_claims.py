@@ -77,3 +77,39 @@ def test_a_store_restored_from_an_older_backup_is_refused_by_name(tmp_path):
     assert "the store is older than the run" in err and str(store) in err, err
     assert summary["service"]["refused_ahead"] >= 1
     assert "the store is older than the run" in syncer.stderr
+
+
+def test_a_syncer_killed_in_its_final_rounds_runs_them_again_after_its_restart(tmp_path):
+    """The final rounds are the run's guarantee that every learner's last work is merged. A
+    syncer SIGKILLed in them used to restart past the budget knowing nobody and end at once;
+    it now waits for its learners to register again and asks them again."""
+    overrides = ["train.learners=1", "train.batch_size=4", "train.tokens=1024"]
+    overrides += ["processes.final_round_seconds=60"]
+    syncer = SyncerProcess(tmp_path, overrides)
+    address = syncer.address
+    learner = Insider(address, m=0, session=5)
+    try:
+        learner.register()
+        for step in range(1, 9):  # past the budget: the final rounds begin
+            progress(learner, step)
+        first = learner.expect("ask", timeout=20.0)
+        while not first.header.meta.get("final"):
+            first = learner.expect("ask", timeout=20.0)
+        time.sleep(1.0)  # (the ledger, saved every beat, holds this life)
+        syncer.kill()  # in the final rounds: the learner never answered
+        learner.close()
+        syncer = SyncerProcess(tmp_path, overrides, address=address)
+        learner = Insider(address, m=0, session=5)  # the same life, a new connection
+        learner.prove()
+        learner.send("hello", meta={"inc": 5, "step": 8, "versions": [0, 0]})
+        learner.expect("welcome")
+        again = learner.expect("ask", timeout=20.0)
+        alive = syncer.proc.poll() is None
+        summary = syncer.stop()
+    finally:
+        learner.close()
+        syncer.kill()
+    assert again.header.meta.get("final"), again.header.meta
+    assert alive
+    assert "waiting up to 15s for learner 0 to register again" in syncer.stderr
+    assert summary["tokens"] >= 1024

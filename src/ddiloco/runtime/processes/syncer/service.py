@@ -230,7 +230,12 @@ class SyncerService:
         round merges when all of them have answered, or once ``processes.final_round_seconds``
         (for all of them) have passed, with what came."""
         seconds = self.config.processes.final_round_seconds
-        if seconds <= 0 or not self.syncer.policy.progress:
+        if seconds <= 0:
+            return
+        # (learners reconnect within seconds of a restart; one that died meanwhile must not
+        # hold the end up for long)
+        self.await_restored_learners(min(seconds, 3 * self.attendance.detect_seconds))
+        if not self.syncer.policy.progress:
             return
         started = self.events.now()
         merged = self.syncer.counts.get("merged_rounds", 0)
@@ -257,6 +262,31 @@ class SyncerService:
             merged=self.syncer.counts.get("merged_rounds", 0) - merged,
             fragments=self.plan.num_fragments,
         )
+
+    def await_restored_learners(self, seconds: float) -> None:
+        """A syncer killed in its final rounds restarts past the budget, knowing nobody: its
+        learners are alive, waiting for the stop, and register again within seconds. Wait
+        for them (at most ``seconds``) so that the final rounds ask them too, instead of
+        ending at once with their last answers unmerged (issue 29)."""
+        absent = self.ledger.absent()  # lives of the ledger's snapshot not heard from yet
+        if not absent:
+            return
+        log.warning(
+            "syncer: restarted at the end of the run; waiting up to %.0fs for learner%s %s "
+            "to register again before the final rounds",
+            seconds,
+            "s" if len(absent) > 1 else "",
+            ", ".join(map(str, sorted(absent))),
+        )
+        deadline = time.monotonic() + seconds
+        while self.ledger.absent() and time.monotonic() < deadline and not self.stop.is_set():
+            self.turn(self.config.train.tokens, finishing=True)
+        if self.ledger.absent():
+            log.warning(
+                "syncer: learner%s %s did not come back; the final rounds go on without",
+                "s" if len(self.ledger.absent()) > 1 else "",
+                ", ".join(map(str, sorted(self.ledger.absent()))),
+            )
 
     def next_final_asks(self) -> dict[int, Round]:
         """Each learner's next final ask: the first open final round it still owes. One
