@@ -196,6 +196,29 @@ def test_a_checkpoint_of_user_code_never_runs_the_code_it_names(tmp_path, monkey
     assert marker.exists() and torch.equal(loaded.model.w, torch.ones(2, 3))
 
 
+def test_a_run_of_user_code_recovered_from_its_store_never_runs_the_code_it_names(
+    tmp_path, monkeypatch
+):
+    """``ddiloco export RUN --store`` builds the model the store's fragments go into: from a
+    run directory whose config names user code, only with the user's ``--model``."""
+    from ddiloco.commands.export import pick
+
+    (tmp_path / "usermodels_run.py").write_text(USER_MODELS)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    marker = tmp_path / "imported"
+    monkeypatch.setenv("DDILOCO_TEST_MARKER", str(marker))
+    run = tmp_path / "run"
+    run.mkdir()
+    config = load_config(None, ["model='usermodels_run:build'", "methods=['decoupled']"])
+    (run / "config.toml").write_text(to_toml(config))
+    with pytest.raises(ValueError, match="never runs code it names") as info:
+        pick(run, None, None, True)
+    assert "pass --model usermodels_run:build" in str(info.value)
+    assert not marker.exists()  # refused before anything was imported
+    with pytest.raises(CheckpointError, match="no syncer store"):  # past the check: no state
+        pick(run, None, None, True, "usermodels_run:build")
+
+
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
 def test_weights_holding_nan_or_infinity_are_refused_even_with_the_digests_fixed_up(tmp_path, bad):
     from safetensors.torch import load_file, save_file

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -31,8 +31,11 @@ from ddiloco.checkpoints.load import (
     verify,
 )
 from ddiloco.checkpoints.write import copy_checkpoint, write_checkpoint
+from ddiloco.config import RunConfig
 from ddiloco.data.tokenizer import tokenizer_for
 from ddiloco.errors import ConfigError
+from ddiloco.models.gpt import GPT_CONFIGS
+from ddiloco.models.hf import is_hf
 from ddiloco.trainer import evaluate
 
 if TYPE_CHECKING:
@@ -71,8 +74,11 @@ class Source:
     method: str = ""
 
 
-def pick(path: Path, method: str | None, step: int | None, store: bool) -> Source:
-    """The model ``path`` (and the options) name (module docstring)."""
+def pick(
+    path: Path, method: str | None, step: int | None, store: bool, model: str | None = None
+) -> Source:
+    """The model ``path`` (and the options) name (module docstring); ``model``: the
+    ``--model`` the user trusts to build a run of user code."""
     if is_checkpoint(path):
         if store or step is not None or method is not None:
             why = "is a checkpoint directory: --store, --step and --method name one in a run"
@@ -84,6 +90,7 @@ def pick(path: Path, method: str | None, step: int | None, store: bool) -> Sourc
         return Source(checkpoint=find_checkpoint(path, method, step), method=method)
     from ddiloco.checkpoints.recover import recover, state_of
 
+    config = trusted_builder(config, model, path)
     steps = available(path, config)[method]
     state = state_of(path, config, method)
     if store or not steps:
@@ -108,6 +115,22 @@ def pick(path: Path, method: str | None, step: int | None, store: bool) -> Sourc
     return Source(checkpoint=latest, method=method)
 
 
+def trusted_builder(config: RunConfig, model: str | None, run: Path) -> RunConfig:
+    """A run's config may name user code as its model (``module:function``); building the
+    model a run's state is recovered into must not run code a file chose (issue 29): the
+    user's ``--model`` says which builder they trust, as for a checkpoint."""
+    if config.model in GPT_CONFIGS or is_hf(config.model):
+        return config
+    if model is None:
+        why = (
+            f"the run {run} trains user code ({config.model[:200]!r}), and a run directory "
+            f"never runs code it names: pass --model {config.model[:200]} if that is the "
+            "builder you trust"
+        )
+        raise ConfigError("--model", None, why)
+    return replace(config, model=model)
+
+
 def finished(run: Path, method: str) -> bool:
     """The run wrote its summary with ``method``'s last checkpoint (it ended normally)."""
     try:
@@ -120,7 +143,7 @@ def finished(run: Path, method: str) -> bool:
 
 def open_model(args: argparse.Namespace, device: str = "cpu") -> Checkpoint:
     """The model a command's source arguments name, loaded (a recovered one in memory)."""
-    source = pick(Path(args.path), args.method, args.step, args.store)
+    source = pick(Path(args.path), args.method, args.step, args.store, args.model)
     if source.checkpoint is not None:
         return load_checkpoint(source.checkpoint, device, builder=args.model)
     rec = source.recovered
@@ -146,7 +169,7 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError("--out", str(out), "exists and is not an empty directory")
-    source = pick(Path(args.path), args.method, args.step, args.store)
+    source = pick(Path(args.path), args.method, args.step, args.store, args.model)
     if source.checkpoint is not None:
         manifest = verify(source.checkpoint)
         copy_checkpoint(source.checkpoint, out, sorted(manifest["files"]))
