@@ -24,10 +24,11 @@ from dataclasses import dataclass, field
 import torch
 
 from ddiloco.config import TrainConfig
+from ddiloco.core.fragments import scatter
 from ddiloco.core.grace import GraceConfig
 from ddiloco.core.learner_state import LearnerSync
 from ddiloco.core.ledger import TokenLedger
-from ddiloco.core.plans import build_plan, scatter, tensor_specs
+from ddiloco.core.plans import build_plan, tensor_specs
 from ddiloco.core.rounds import RoundConfig
 from ddiloco.core.syncer_state import SyncerConfig, SyncerState
 from ddiloco.data.corpus import BatchStream, eval_batches, split_corpus

@@ -23,7 +23,7 @@ from attackers import (
 
 from ddiloco.config import load_config, to_toml
 from ddiloco.core.codec import CodecSpec, encode_tensors
-from ddiloco.core.plans import gather
+from ddiloco.core.fragments import gather
 from ddiloco.errors import FATAL_EXIT
 from ddiloco.runtime.processes.launcher.fragments import free_port
 from ddiloco.runtime.processes.transport.tickets import make_ticket

@@ -14,14 +14,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
+from ddiloco.core.fragments import gather, scatter
 from ddiloco.core.plans import (
     PARTITIONS,
     FragmentPlan,
     TensorSpec,
     build_plan,
-    gather,
     layer_key,
-    scatter,
     tensor_specs,
 )
 from ddiloco.errors import ConfigError

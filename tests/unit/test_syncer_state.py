@@ -9,10 +9,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ddiloco.core.fragments import gather, scatter
 from ddiloco.core.learner_state import APPLY_RULES, LearnerSync
 from ddiloco.core.ledger import TokenLedger
 from ddiloco.core.outer import OuterConfig
-from ddiloco.core.plans import TensorSpec, build_plan, gather, scatter
+from ddiloco.core.plans import TensorSpec, build_plan
 from ddiloco.core.rounds import AnswerMeta, RoundConfig, Verdict
 from ddiloco.core.syncer_state import SyncerConfig, SyncerState
 from ddiloco.errors import ConfigError

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from ddiloco.config import RunConfig
-from ddiloco.core.plans import scatter
+from ddiloco.core.fragments import scatter
 from ddiloco.core.syncer_state import SyncerState
 from ddiloco.errors import ConfigError
 from ddiloco.methods import method_for

@@ -51,7 +51,7 @@ from ddiloco.checkpoints.format import (
 from ddiloco.checkpoints.sim_state import ResumeState, write_state
 from ddiloco.checkpoints.weights import write_weights
 from ddiloco.config import RunConfig, to_toml
-from ddiloco.core.plans import gather, scatter
+from ddiloco.core.fragments import gather, scatter
 from ddiloco.data.info import bits_per_byte
 from ddiloco.data.tokenizer import Tokenizer, tokenizer_for
 from ddiloco.models.gpt import GPT

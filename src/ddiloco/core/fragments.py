@@ -9,14 +9,11 @@ from __future__ import annotations
 
 import numbers
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING
 
 import torch
 
+from ddiloco.core.plans import Fragment, FragmentPlan, Slice
 from ddiloco.errors import ConfigError, require
-
-if TYPE_CHECKING:  # plans imports this module at runtime, so only types flow back
-    from ddiloco.core.plans import Fragment, FragmentPlan, Slice
 
 __all__ = ["gather", "scatter"]
 

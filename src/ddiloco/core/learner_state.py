@@ -25,7 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ddiloco.core.plans import FragmentPlan, gather, scatter
+from ddiloco.core.fragments import gather, scatter
+from ddiloco.core.plans import FragmentPlan
 from ddiloco.core.rounds import AnswerMeta
 from ddiloco.errors import ConfigError, require
 

@@ -4,7 +4,7 @@ Owns: splitting a model's parameters into P disjoint fragments (balanced / layer
 partitions) and the per-fragment sync offsets t_p. Every process builds the identical plan
 from the same inputs, so this module is pure: no I/O, no clock, no random state, and it never
 holds or mutates tensors (moving a fragment's data lives in :mod:`ddiloco.core.fragments`,
-re-exported here as :func:`gather` / :func:`scatter`). It knows nothing of optimizers,
+which builds on this module). It knows nothing of optimizers,
 codecs or transports.
 """
 
@@ -22,7 +22,6 @@ from typing import Any
 
 import torch
 
-from ddiloco.core.fragments import gather, scatter
 from ddiloco.errors import ConfigError, require
 
 __all__ = [
@@ -32,9 +31,7 @@ __all__ = [
     "Slice",
     "TensorSpec",
     "build_plan",
-    "gather",
     "layer_key",
-    "scatter",
     "tensor_specs",
 ]
 

@@ -18,10 +18,11 @@ from typing import Any
 
 import torch
 
+from ddiloco.core.fragments import gather
 from ddiloco.core.ledger import OUTLIER, SyncerLedger
 from ddiloco.core.merge import MERGE_RULES, merge, tensor_norms, token_weight
 from ddiloco.core.outer import OuterConfig, OuterOptimizer, make_outer_optimizer
-from ddiloco.core.plans import FragmentPlan, gather
+from ddiloco.core.plans import FragmentPlan
 from ddiloco.core.robust import (
     NormWindow,
     RobustConfig,

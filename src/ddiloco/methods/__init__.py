@@ -18,41 +18,13 @@ and a line in :data:`REGISTRY` (docs/extending.md).
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
 
-from ddiloco.config import METHODS, RunConfig, SyncConfig
+from ddiloco.config import METHODS, RunConfig
 from ddiloco.errors import ConfigError
+from ddiloco.methods import data_parallel, decoupled, diloco, streaming
+from ddiloco.methods.base import DATA_PARALLEL, FRAGMENTS, Method, published_mean_step
 
-FRAGMENTS = "fragments"
-DATA_PARALLEL = "data_parallel"
-
-
-@dataclass(frozen=True)
-class Method:
-    """How one training method runs; built from the run config by its file's function."""
-
-    name: str
-    family: str  # FRAGMENTS (a syncer merges fragments) or DATA_PARALLEL (one global model)
-    sync: SyncConfig  # the fragment-sync knobs this method runs with (the config's, adjusted)
-    waits_for_merge: bool = False  # lock-step: wait for a fragment tau steps after pushing it
-    elastic: bool = False  # data-parallel: shrink and grow on failures instead of restarting
-
-    @property
-    def fragments(self) -> bool:
-        return self.family == FRAGMENTS
-
-
-def published_mean_step(config: RunConfig) -> dict[str, Any]:
-    """The plain-mean baselines' merge and outer step as DiLoCo and Streaming DiLoCo publish
-    them (a plain average; Nesterov at ``sync.mean_outer_lr`` and ``mean_outer_momentum``):
-    ``SyncConfig`` fields to replace."""
-    sync = config.sync
-    return {
-        "merge_rule": "mean",
-        "outer_lr": sync.mean_outer_lr,
-        "outer_momentum": sync.mean_outer_momentum,
-    }
+__all__ = ["DATA_PARALLEL", "FRAGMENTS", "REGISTRY", "Method", "method_for", "published_mean_step"]
 
 
 def method_for(config: RunConfig, name: str) -> Method:
@@ -63,18 +35,12 @@ def method_for(config: RunConfig, name: str) -> Method:
     return build(config)
 
 
-def _registry() -> dict[str, Callable[[RunConfig], Method]]:
-    from ddiloco.methods import data_parallel, decoupled, diloco, streaming
-
-    return {
-        "decoupled": decoupled.decoupled,
-        "decoupled_sync": decoupled.decoupled_sync,
-        "streaming": streaming.streaming,
-        "diloco": diloco.diloco,
-        "data_parallel": data_parallel.data_parallel,
-        "elastic_dp": data_parallel.elastic_dp,
-    }
-
-
-REGISTRY: dict[str, Callable[[RunConfig], Method]] = _registry()
+REGISTRY: dict[str, Callable[[RunConfig], Method]] = {
+    "decoupled": decoupled.decoupled,
+    "decoupled_sync": decoupled.decoupled_sync,
+    "streaming": streaming.streaming,
+    "diloco": diloco.diloco,
+    "data_parallel": data_parallel.data_parallel,
+    "elastic_dp": data_parallel.elastic_dp,
+}
 assert tuple(REGISTRY) == METHODS, "config.METHODS lists the registry's names, in order"

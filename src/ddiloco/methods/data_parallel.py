@@ -5,7 +5,7 @@ the job shrinks without it and grows back when it returns."""
 from __future__ import annotations
 
 from ddiloco.config import RunConfig
-from ddiloco.methods import DATA_PARALLEL, Method
+from ddiloco.methods.base import DATA_PARALLEL, Method
 
 
 def data_parallel(config: RunConfig) -> Method:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from ddiloco.config import RunConfig
-from ddiloco.methods import FRAGMENTS, Method
+from ddiloco.methods.base import FRAGMENTS, Method
 
 
 def decoupled(config: RunConfig) -> Method:

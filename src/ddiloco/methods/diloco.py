@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 from ddiloco.config import RunConfig
-from ddiloco.methods import FRAGMENTS, Method, published_mean_step
+from ddiloco.methods.base import FRAGMENTS, Method, published_mean_step
 
 
 def diloco(config: RunConfig) -> Method:

@@ -18,7 +18,8 @@ import torch
 from torch import nn
 
 from ddiloco.config import RunConfig
-from ddiloco.core.plans import FragmentPlan, scatter
+from ddiloco.core.fragments import scatter
+from ddiloco.core.plans import FragmentPlan
 from ddiloco.data.corpus import TokenSplits, eval_batches, split_corpus
 from ddiloco.methods import Method, method_for
 from ddiloco.models.embeddings import embedding_names

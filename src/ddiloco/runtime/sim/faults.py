@@ -19,9 +19,10 @@ from ddiloco.chaos.plan import ChaosEvent, chaos_record
 from ddiloco.config import RunConfig
 from ddiloco.core import ledger as reasons
 from ddiloco.core.boundary import StepBoundary
+from ddiloco.core.fragments import scatter
 from ddiloco.core.learner_state import LearnerSync
 from ddiloco.core.ledger import TokenLedger
-from ddiloco.core.plans import FragmentPlan, scatter
+from ddiloco.core.plans import FragmentPlan
 from ddiloco.core.syncer_state import SyncerState
 from ddiloco.runtime.sim.clock import EventQueue
 from ddiloco.runtime.sim.node import Node, NodeState

@@ -25,8 +25,8 @@ from ddiloco.checkpoints.format import MANIFEST, CheckpointError, home_of, step_
 from ddiloco.checkpoints.load import load_checkpoint
 from ddiloco.checkpoints.sim_state import STATE, ResumeState, has_state, pack, read_state, unpack
 from ddiloco.config import RunConfig
+from ddiloco.core.fragments import gather, scatter
 from ddiloco.core.learner_state import LearnerSync
-from ddiloco.core.plans import gather, scatter
 from ddiloco.methods import method_for
 from ddiloco.runtime.sim.node import NodeState
 

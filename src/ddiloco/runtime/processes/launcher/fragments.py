@@ -134,7 +134,7 @@ class Launcher(Supervisor):
         self.summary: dict[str, Any] | None = None
         self.learner_done: dict[int, dict[str, Any]] = {}
         self.seen: dict[str, Any] = {"rounds": 0, "eval": None}  # for a summary of our own
-        self.spares = Spares(self, config.processes.spares)
+        self.spares = Spares(self, config.processes.spares if config.processes.ranks == 1 else 0)
 
     def run_secret(self, path: Path) -> bytes:
         """A fresh secret for a fresh run; a resumed run keeps its own (its learners' saves

@@ -16,21 +16,36 @@ from __future__ import annotations
 
 import json
 import signal
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from ddiloco.runtime.processes.launcher.fragments import Launcher
+import subprocess
+from collections.abc import Callable
+from typing import Any, Protocol
 
 SPARE = "spare-"  # a spare's process name: spare-<k>
 REFILL_SECONDS = 10.0  # after a take-over, before the next spare starts
 
 
+class Host(Protocol):
+    """What the pool needs of its launcher (a launcher is one; nothing else is read)."""
+
+    run_id: str
+    procs: dict[str, subprocess.Popen[str]]
+
+    @property
+    def stop_requested(self) -> bool: ...
+    def start_spare(self, name: str) -> None: ...
+    def rename(self, old: str, new: str) -> None: ...
+    def emit(self, record: dict[str, Any]) -> None: ...
+    def now(self) -> float: ...
+    def after(self, seconds: float, action: Callable[[], None]) -> None: ...
+    def signal(self, name: str, sig: int) -> bool: ...
+
+
 class Spares:
     """The launcher's pool of warm spares (see the module)."""
 
-    def __init__(self, launcher: Launcher, count: int) -> None:
+    def __init__(self, launcher: Host, count: int) -> None:
         self.launcher = launcher
-        self.count = count if launcher.config.processes.ranks == 1 else 0
+        self.count = count
         self.ready: list[str] = []  # spares that said spare_ready, oldest first
         self.started = 0
 

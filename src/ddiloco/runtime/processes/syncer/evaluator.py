@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from ddiloco.core.plans import scatter
+from ddiloco.core.fragments import scatter
 from ddiloco.runtime.processes.transport.events import Events
 from ddiloco.runtime.run import RunSetup
 from ddiloco.trainer import evaluate

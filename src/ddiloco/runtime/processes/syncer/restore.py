@@ -10,17 +10,14 @@ from __future__ import annotations
 
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
+from ddiloco.core.restart_ledger import RestartLedger
 from ddiloco.core.syncer_state import SyncerState
 from ddiloco.errors import ConfigError
 from ddiloco.runtime.processes.syncer.store_format import FragmentRecord, Key, StoreError
-
-if TYPE_CHECKING:
-    from ddiloco.core.restart_ledger import RestartLedger
-    from ddiloco.runtime.processes.syncer.store import SyncerStore
 
 
 def record_of(
@@ -86,15 +83,21 @@ class Restored:
     applied: dict[int, list[Key]] = field(default_factory=lambda: defaultdict(list))
 
 
-def restore_service(syncer: SyncerState, ledger: RestartLedger, store: SyncerStore) -> Restored:
-    """Load ``store`` into a fresh ``syncer`` and ``ledger`` (nothing for an empty store)."""
-    records = store.load()
+def restore_service(
+    syncer: SyncerState,
+    ledger: RestartLedger,
+    records: dict[int, FragmentRecord],
+    ledger_state: dict[str, Any] | None,
+) -> Restored:
+    """Load a store's ``records`` and ``ledger_state`` (``SyncerStore.load`` and its
+    ``ledger_state`` after) into a fresh ``syncer`` and ``ledger`` (nothing for an empty
+    store)."""
     out = Restored(restored=bool(records))
     if records:
         out.step, out.tokens = restore(syncer, records)
         for p, rec in records.items():
             out.applied[p] = list(rec.applied)
-    if store.ledger_state is not None:  # the snapshot counting the durable merges
-        ledger.load_state(store.ledger_state)
+    if ledger_state is not None:  # the snapshot counting the durable merges
+        ledger.load_state(ledger_state)
         out.tokens = max(out.tokens, ledger.trained_tokens)
     return out

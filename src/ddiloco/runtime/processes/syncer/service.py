@@ -118,7 +118,8 @@ class SyncerService:
             fingerprint=fingerprint_of(setup),
             fragments=self.plan.num_fragments,
         )
-        start = restore_service(self.syncer, self.ledger, self.store)
+        records = self.store.load()
+        start = restore_service(self.syncer, self.ledger, records, self.store.ledger_state)
         self.restored, self.tokens, self.applied = start.restored, start.tokens, start.applied
         if start.restored:
             events(

@@ -21,11 +21,15 @@ import logging
 import re
 import threading
 from http.server import BaseHTTPRequestHandler
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-from ddiloco.core.syncer_state import MergeResult
+from ddiloco.config import RunConfig
+from ddiloco.core.restart_ledger import RestartLedger
+from ddiloco.core.syncer_state import MergeResult, SyncerState
 from ddiloco.errors import ConfigError
 from ddiloco.runtime.processes.syncer.actions import ActionGate, body_of
+from ddiloco.runtime.processes.syncer.attendance import Attendance
+from ddiloco.runtime.processes.syncer.connections import Connections
 from ddiloco.runtime.processes.syncer.status_http import (
     GuardedHTTPServer,
     Limits,
@@ -33,9 +37,6 @@ from ddiloco.runtime.processes.syncer.status_http import (
     allowed_host,
 )
 from ddiloco.runtime.processes.transport.sockets import parse_address
-
-if TYPE_CHECKING:
-    from ddiloco.runtime.processes.syncer.service import SyncerService
 
 log = logging.getLogger(__name__)
 
@@ -98,7 +99,23 @@ class StatusBoard:
         return body
 
 
-def snapshot_of(svc: SyncerService, now: float) -> dict[str, Any]:
+class Observed(Protocol):
+    """What a status snapshot reads of the service (``SyncerService`` is one; nothing else
+    is read, and this module never imports the service)."""
+
+    config: RunConfig
+    syncer: SyncerState
+    ledger: RestartLedger
+    attendance: Attendance
+    conn: Connections
+    actions: ActionGate
+    status: StatusBoard
+    tokens: int
+    incarnations: dict[int, int]
+    addresses: dict[int, str]
+
+
+def snapshot_of(svc: Observed, now: float) -> dict[str, Any]:
     """The service's state as plain data (call it on the service's thread)."""
     policy, attendance = svc.syncer.policy, svc.attendance
     ledger = svc.ledger.summary()

@@ -17,24 +17,28 @@ from __future__ import annotations
 import struct
 import zlib
 from collections import Counter
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol
 
 import msgpack
 import torch
 
 from ddiloco.config import RunConfig
 from ddiloco.core.codec import decode_tensors
+from ddiloco.core.fragments import gather
 from ddiloco.core.merge import tensor_norms, token_weight
 from ddiloco.core.outer import make_outer_optimizer
-from ddiloco.core.plans import gather
 from ddiloco.core.robust import scaled
 from ddiloco.core.syncer_state import MergeResult, SyncerConfig, merge_step
 from ddiloco.runtime.processes.syncer.store_format import _CRC, _HEAD, Key, StoreError
 from ddiloco.runtime.run import RunSetup
 
-if TYPE_CHECKING:
-    from ddiloco.runtime.processes.syncer.store import SyncerStore
+
+class Journaled(Protocol):
+    """What an audit reads: a store's journal records, in order (``SyncerStore`` is one)."""
+
+    def journal(self) -> Iterator[tuple[dict[str, Any], list[bytes]]]: ...
+
 
 JOURNAL_MAGIC = b"DDSJ"
 _LEN = struct.Struct("<Q")
@@ -208,7 +212,7 @@ def journal_header(result: MergeResult) -> dict[str, Any]:
 
 # -- audits -----------------------------------------------------------------------------------
 def replay_journal(
-    store: SyncerStore,
+    store: Journaled,
     initial: list[list[torch.Tensor]],
     config: SyncerConfig,
     plain_mask: list[list[bool]],
@@ -249,9 +253,7 @@ def replay_journal(
     return fragments, merged
 
 
-def recompute(
-    config: RunConfig, store: SyncerStore
-) -> tuple[list[list[torch.Tensor]], Counter[Key]]:
+def recompute(config: RunConfig, store: Journaled) -> tuple[list[list[torch.Tensor]], Counter[Key]]:
     """Audit a run: its global fragments rebuilt from Theta_0 and ``store``'s journal, and how
     often each answer was merged. Merges on one torch thread, as the syncer does, so a faithful
     store matches bit for bit (a reduction's rounding depends on the thread count)."""

@@ -7,16 +7,40 @@ ledger balances and the goodput counts every outage up to ``now``.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
+from ddiloco.checkpoints.write import CheckpointWriter
+from ddiloco.config import RunConfig
+from ddiloco.core.restart_ledger import RestartLedger
+from ddiloco.core.syncer_state import SyncerState
 from ddiloco.data.info import bits_per_byte
 from ddiloco.report.summary import fragment_goodput
+from ddiloco.runtime.processes.syncer.attendance import Attendance
+from ddiloco.runtime.processes.syncer.connections import Connections
+from ddiloco.runtime.processes.syncer.evaluator import Evaluator
+from ddiloco.runtime.processes.syncer.store import SyncerStore
+from ddiloco.runtime.run import RunSetup
 
-if TYPE_CHECKING:
-    from ddiloco.runtime.processes.syncer.service import SyncerService
+
+class Summarised(Protocol):
+    """What the summary reads of the service (``SyncerService`` is one; this module never
+    imports the service)."""
+
+    setup: RunSetup
+    config: RunConfig
+    syncer: SyncerState
+    ledger: RestartLedger
+    attendance: Attendance
+    conn: Connections
+    checkpoints: CheckpointWriter
+    evaluator: Evaluator
+    store: SyncerStore
+    tokens: int
+    bytes_received: int
+    counts: dict[str, int]
 
 
-def service_summary(svc: SyncerService, final: float, now: float) -> dict[str, Any]:
+def service_summary(svc: Summarised, final: float, now: float) -> dict[str, Any]:
     """The run's summary; ``final`` is the global model's last eval loss. Learner time lost
     to outages (down since detected, until back or ``now``) is counted as lost capacity at
     the run's step time."""
