@@ -9,6 +9,8 @@
   share lives in the core or in ``ddiloco.runtime`` itself. (Ray hosts the processes
   runtime's services: it lives in ``.processes.ray``.)
 * ``ddiloco.cluster`` (the cluster simulator) never imports torch.
+* No import cycle anywhere in the package: two modules that need each other's names share
+  a third, or one reads the other through a ``Protocol`` it declares.
 
 Every import counts: at module level, under ``if TYPE_CHECKING:``, inside functions,
 relative ones, and ``importlib.import_module``/``__import__`` of a string literal.
@@ -146,6 +148,73 @@ def test_runtimes_never_import_each_other(runtime):
 def test_the_cluster_simulator_never_imports_torch():
     bad = [i for i in IMPORTS if _under(i.module, "ddiloco.cluster") and _under(i.target, "torch")]
     assert not bad, _report(bad, "ddiloco.cluster imports torch")
+
+
+def _owner(target: str, names: set[str]) -> str | None:
+    """The package module a target is (or is in): ``a.b.C`` -> ``a.b``."""
+    while target and target not in names:
+        target = target.rpartition(".")[0]
+    return target or None
+
+
+def import_cycles(imports: list[Import], names: set[str]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan's), each sorted."""
+    graph: dict[str, set[str]] = {n: set() for n in names}
+    for i in imports:
+        owner = _owner(i.target, names)
+        if owner is not None and owner != i.module:
+            graph[i.module].add(owner)
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+
+    def strong(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                strong(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            strong(v)
+    return cycles
+
+
+def test_no_module_imports_itself_through_others():
+    """Every import counts, under ``TYPE_CHECKING`` and inside functions too."""
+    cycles = import_cycles(IMPORTS, {name for name, _, _ in MODULES})
+    assert not cycles, "import cycles:\n" + "\n".join("  " + " <-> ".join(c) for c in cycles)
+
+
+def test_the_cycle_check_sees_a_cycle_behind_type_checking():
+    a = imports_of("import ddiloco.b\n", "ddiloco.a", Path("a.py"))
+    b = imports_of(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ddiloco.a import A\n",
+        "ddiloco.b",
+        Path("b.py"),
+    )
+    c = imports_of("def f():\n    from ddiloco import a\n", "ddiloco.c", Path("c.py"))
+    names = {"ddiloco", "ddiloco.a", "ddiloco.b", "ddiloco.c"}
+    assert import_cycles(a + b + c, names) == [["ddiloco.a", "ddiloco.b"]]
+    lazy = imports_of("def f():\n    import ddiloco.c\n", "ddiloco.a", Path("a.py"))
+    assert import_cycles(lazy + c, names) == [["ddiloco.a", "ddiloco.c"]]
 
 
 def io_uses(source: str, module: str, path: Path) -> list[Import]:

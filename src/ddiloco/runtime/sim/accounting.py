@@ -3,16 +3,45 @@ in the schema every runtime writes (:mod:`ddiloco.report.summary`)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
+from ddiloco.checkpoints.write import CheckpointWriter
+from ddiloco.config import RunConfig
+from ddiloco.core.ledger import TokenLedger
+from ddiloco.core.plans import FragmentPlan
+from ddiloco.core.syncer_state import SyncerState
 from ddiloco.data.info import bits_per_byte
-from ddiloco.report.summary import fragment_goodput, summary
+from ddiloco.methods.base import Method
+from ddiloco.report.summary import Uptime, fragment_goodput, summary
+from ddiloco.runtime.run import RunSetup
+from ddiloco.runtime.sim.clock import EventQueue
+from ddiloco.runtime.sim.node import Node
+from ddiloco.runtime.sim.world import StepTimes
 
-if TYPE_CHECKING:
-    from ddiloco.runtime.sim.engine import FragmentSim
+
+class Finished(Protocol):
+    """What the summary reads of a finished run (``FragmentSim`` is one; this module never
+    imports the engine)."""
+
+    setup: RunSetup
+    config: RunConfig
+    method: Method
+    plan: FragmentPlan
+    syncer: SyncerState
+    ledger: TokenLedger
+    clock: EventQueue
+    nodes: list[Node]
+    step_times: StepTimes
+    checkpoints: CheckpointWriter | None
+    uptime: Uptime
+    tokens: int
+    idle_seconds: float
+    bytes_up: int
+    bytes_down: int
+    bytes_peer: int
 
 
-def summarize(sim: FragmentSim, final_loss: float) -> dict[str, Any]:
+def summarize(sim: Finished, final_loss: float) -> dict[str, Any]:
     """The summary.json of one method. The capacity lost is what the learners could have
     trained while down or waiting in lock-step (goodput's denominator)."""
     ledger = sim.ledger.summary()

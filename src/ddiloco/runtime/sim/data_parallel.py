@@ -15,14 +15,16 @@ A frozen replica stalls everyone (the all-reduce waits for it). Given a
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
 from typing import Any
 
 from ddiloco.chaos.plan import ChaosEvent, chaos_record
+from ddiloco.checkpoints.sim_state import ResumeState
 from ddiloco.data.corpus import BatchStream
 from ddiloco.data.info import bits_per_byte
 from ddiloco.data.shards import concatenated
 from ddiloco.report.summary import summary
-from ddiloco.runtime.sim.restart import dp_state, restore_dp
+from ddiloco.runtime.sim.restart import Resume, rng_state, set_rng
 from ddiloco.runtime.sim.run import SimRun
 from ddiloco.trainer import Trainer, evaluate
 
@@ -83,7 +85,7 @@ class DataParallelSim(SimRun):
         next_eval = t.eval_every
         steps = 0
         if resume is not None:
-            restore_dp(self, resume)
+            self.load_state_dict(resume)
             if resume.finished:  # its summary, as the run that wrote it made it
                 return self._summary(resume.eval_loss)
             next_eval, steps = int(resume.values["next_eval"]), int(resume.values["steps"])
@@ -128,11 +130,11 @@ class DataParallelSim(SimRun):
                 next_eval = self.tokens + t.eval_every
             kept, writer = self.tokens - self.wasted, self.checkpoints
             if writer is not None and self.tokens < t.tokens and writer.due(kept):
-                state = dp_state(self, steps, next_eval, returns)
+                state = self.state_dict(steps, next_eval, returns)
                 writer.write(self.trainer.model, kept, evaluated, state)
         final = self._eval()
         if self.checkpoints is not None:  # the model a user takes home
-            state = dp_state(self, steps, next_eval, returns, final=True)
+            state = self.state_dict(steps, next_eval, returns, final=True)
             self.checkpoints.write(self.trainer.model, self.tokens - self.wasted, final, state)
         return self._summary(final)
 
@@ -222,3 +224,51 @@ class DataParallelSim(SimRun):
             bytes_sent=self.bytes,
             bytes_received=self.bytes,
         )
+
+    # -- resume (``ddiloco train --resume``: runtime/sim/restart.py) ------------------------
+    def state_dict(
+        self,
+        steps: int,
+        next_eval: int,
+        returns: Sequence[tuple[float, int]],
+        final: bool = False,
+    ) -> ResumeState:
+        """What :meth:`load_state_dict` needs of this run now (reading only): a replica on
+        its way back (elastic) counts as live."""
+        live = set(self.live) | {m for _, m in returns if m >= 0}
+        values = {
+            "kind": "data_parallel",
+            "final": final,
+            "t": self.now,
+            "tokens": self.tokens,
+            "wasted": self.wasted,
+            "steps": steps,
+            "next_eval": next_eval,
+            "stepping_seconds": self.stepping_seconds,
+            "kept_replica_seconds": self.kept_replica_seconds,
+            "bytes": self.bytes,
+            "live": sorted(live),
+            "trainer_steps": self.trainer.steps,
+            "position": self.trainer.stream.position,
+            "rng": rng_state(self.step_times.rng),
+        }
+        return ResumeState(values)
+
+    def load_state_dict(self, resume: Resume) -> None:
+        """Put this freshly built run at ``resume``'s checkpoint: the model, its step and data
+        position, a fresh inner optimizer, the time and the running totals."""
+        v = resume.values
+        trainer = self.trainer
+        trainer.model.load_state_dict(resume.model.state_dict())
+        trainer.reset_optimizer()
+        trainer.steps = int(v["trainer_steps"])
+        trainer.stream.position = int(v["position"])
+        self.now = float(v["t"])
+        self.tokens = int(v["tokens"])
+        self.wasted = int(v["wasted"])
+        self.stepping_seconds = float(v["stepping_seconds"])
+        self.kept_replica_seconds = float(v["kept_replica_seconds"])
+        self.bytes = int(v["bytes"])
+        self.live = {int(m) for m in v["live"]}
+        set_rng(self.step_times.rng, v["rng"])
+        self.checkpoint = self._snapshot()  # a rollback goes back to here at most

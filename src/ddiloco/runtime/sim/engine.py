@@ -17,9 +17,12 @@ from typing import Any
 
 import torch
 
+from ddiloco.checkpoints.format import CheckpointError
+from ddiloco.checkpoints.sim_state import STATE, ResumeState, pack, unpack
 from ddiloco.core import ledger as reasons
 from ddiloco.core.boundary import StepBoundary
 from ddiloco.core.codec import decode_tensors, encode_tensors
+from ddiloco.core.fragments import gather, scatter
 from ddiloco.core.learner_state import LearnerSync
 from ddiloco.core.ledger import TokenLedger
 from ddiloco.core.rounds import AnswerMeta, Verdict
@@ -30,7 +33,7 @@ from ddiloco.runtime.sim.accounting import summarize
 from ddiloco.runtime.sim.clock import EventQueue
 from ddiloco.runtime.sim.faults import Faults
 from ddiloco.runtime.sim.node import Node, NodeState
-from ddiloco.runtime.sim.restart import fragment_state, restore_fragments
+from ddiloco.runtime.sim.restart import RESUMED, Resume, answer_key, rng_state, set_rng
 from ddiloco.runtime.sim.run import SimRun
 from ddiloco.trainer import Trainer
 
@@ -95,7 +98,7 @@ class FragmentSim(SimRun):
     def run(self) -> dict[str, Any]:
         chaos = self.config.chaos
         if self.resume is not None:
-            restore_fragments(self, self.resume)
+            self.load_state_dict(self.resume)
             if self.resume.finished:  # its summary, as the run that wrote it made it
                 return summarize(self, self.resume.eval_loss)
             chaos = self.resume.chaos
@@ -118,7 +121,7 @@ class FragmentSim(SimRun):
         self.ledger.close()
         final = self.evaluate()
         if self.checkpoints is not None:  # the model a user takes home
-            state = fragment_state(self, final=True)
+            state = self.state_dict(final=True)
             self.checkpoints.write_fragments(self.syncer.fragments, self.tokens, final, state)
         return summarize(self, final)
 
@@ -154,7 +157,7 @@ class FragmentSim(SimRun):
             self.finished = True
             return
         if self.checkpoints is not None and self.checkpoints.due(self.tokens):
-            state = fragment_state(self)
+            state = self.state_dict()
             self.checkpoints.write_fragments(self.syncer.fragments, self.tokens, evaluated, state)
         self.continue_or_wait(node)
 
@@ -315,3 +318,122 @@ class FragmentSim(SimRun):
 
     def account_uptime(self) -> None:
         self.uptime.account(self.clock.now, sum(n.up for n in self.nodes))
+
+    # -- resume (``ddiloco train --resume``: runtime/sim/restart.py) ------------------------
+    def state_dict(self, final: bool = False) -> ResumeState:
+        """What :meth:`load_state_dict` needs of this run now (reading only): the resume state
+        a checkpoint carries (``ddiloco train --resume``)."""
+        now = self.clock.now
+        tensors: dict[str, torch.Tensor] = {}
+        syncer, policy = self.syncer, self.syncer.policy
+        outer = [pack(f"outer.{p}", o.state_dict(), tensors) for p, o in enumerate(syncer.outer)]
+        idle = self.idle_seconds
+        if not final:  # (at the end, the run has already counted the waits still going on)
+            idle += sum(now - n.waiting_since for n in self.nodes if n.waiting_since is not None)
+        up = self.uptime
+        live = sum(n.up for n in self.nodes)
+        uptime = up.seconds + (now - up.mark if up.mark is not None and live >= up.quorum else 0.0)
+        learners = [
+            {
+                "present": n.state is not NodeState.ABSENT,
+                "step": n.sync.step,
+                "trainer_steps": n.trainer.steps,
+                "position": n.trainer.stream.position,
+                "incarnation": n.incarnation,
+                "down_seconds": n.down_seconds
+                + (now - n.down_since if n.down_since is not None else 0.0),
+            }
+            for n in self.nodes
+        ]
+        values = {
+            "kind": "fragments",
+            "final": final,
+            "t": now,
+            "tokens": self.tokens,
+            "next_eval": self.next_eval,
+            "bytes": [self.bytes_up, self.bytes_down, self.bytes_peer],
+            "idle_seconds": idle,
+            "uptime": [uptime, up.first],
+            "counts": dict(syncer.counts),
+            "versions": list(policy.versions),
+            "next_round_id": list(policy.next_round_id),
+            "global_step": policy.global_step,
+            "merged_opened": list(syncer.merged_opened),  # the outer momentum's period clock
+            "ema": [policy.step_time.value, policy.sync_time.value],
+            "norm_windows": [list(w.values) for w in syncer.norm_windows],
+            "outer": outer,
+            "ledger": self.ledger.to_state(),
+            "rng": rng_state(self.step_times.rng),
+            "learners": learners,
+        }
+        return ResumeState(values, tensors)
+
+    def load_state_dict(self, resume: Resume) -> None:
+        """Put this freshly built run at ``resume``'s checkpoint: the syncer's fragments (the
+        global model), outer optimizers and round counters, the ledger (what was not yet merged
+        is wasted as ``resumed``), and every learner present then starting from the global model
+        at its own step, learning-rate step and data position, with a fresh inner optimizer."""
+        v, plan = resume.values, self.plan
+        syncer, policy = self.syncer, self.syncer.policy
+        if len(v["learners"]) != len(self.nodes) or len(v["outer"]) != plan.num_fragments:
+            raise CheckpointError(
+                resume.checkpoint / STATE, "does not fit this run's learners/plan"
+            )
+        now = self.clock.now = float(v["t"])
+        weights = dict(resume.model.named_parameters())
+        for p in range(plan.num_fragments):
+            syncer.restore_fragment(
+                p,
+                gather(plan, p, weights),
+                unpack(f"outer.{p}", v["outer"][p], resume.state.tensors),
+                int(v["versions"][p]),
+                int(v["next_round_id"][p]),
+                (),
+                {},
+                v["norm_windows"][p],
+            )
+        policy.global_step = int(v["global_step"])
+        opened = v.get("merged_opened") or [None] * plan.num_fragments
+        syncer.merged_opened = [None if s is None else int(s) for s in opened]
+        policy.step_time.value, policy.sync_time.value = v["ema"]
+        syncer.counts = dict(v["counts"])
+        self.ledger.load_state(v["ledger"])
+        for row in v["ledger"]["answers"]:  # in flight at the checkpoint: lost
+            self.ledger.wasted_answer(answer_key(row[0]), RESUMED)
+        self.tokens = int(v["tokens"])
+        self.bytes_up, self.bytes_down, self.bytes_peer = (int(b) for b in v["bytes"])
+        self.idle_seconds = float(v["idle_seconds"])
+        self.uptime.seconds, self.uptime.first = v["uptime"]
+        self.uptime.mark = now
+        set_rng(self.step_times.rng, v["rng"])
+        for node, saved in zip(self.nodes, v["learners"], strict=True):
+            self.ledger.crashed(node.id, RESUMED)  # its local progress since its base: lost
+            node.incarnation = int(saved["incarnation"]) + 1  # a new life: its answers' keys too
+            node.down_seconds = float(saved["down_seconds"])
+            node.down_since = None
+            node.asks.clear()
+            node.inbox.clear()
+            if not saved["present"]:
+                node.state = NodeState.ABSENT
+                policy.leave(node.id, now)
+                continue
+            trainer = node.trainer
+            params = trainer.params()
+            for p in range(plan.num_fragments):
+                scatter(plan, p, params, syncer.fragments[p])
+            trainer.reset_optimizer()
+            trainer.steps = int(saved["trainer_steps"])
+            trainer.stream.position = int(saved["position"])
+            sync = LearnerSync(
+                node.id,
+                plan,
+                params,
+                incarnation=node.incarnation,
+                apply=self.sync.apply,
+                blend=self.sync.blend,
+                versions=syncer.versions,
+            )
+            sync.step = int(saved["step"])
+            node.boundary = self.boundary_of(sync)
+            node.state = NodeState.STEPPING
+            policy.join(node.id, sync.step)
