@@ -120,6 +120,7 @@ def main(steps: int = 120, grace: bool = True, verbose: bool = True) -> dict[str
                     learners[m].asks[rnd.fragment] = rnd.round_id
             boundary(learner, now)
         for result in syncer.poll(now):  # rounds whose quorum is met and grace is over
+            result.book(ledger)  # the merged answers' tokens, counted
             values = [t.clone() for t in result.tensors]  # the syncer updates its own in place
             for learner in learners:
                 learner.inbox[result.fragment] = (result.version, values)

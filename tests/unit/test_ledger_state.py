@@ -77,21 +77,31 @@ def test_a_state_for_another_plan_damaged_or_unbalanced_is_refused():
         bad.to_state()
 
 
-def test_merges_held_back_are_not_in_a_snapshot_until_released():
+def test_a_merge_is_counted_when_its_caller_books_it_so_a_snapshot_counts_durable_ones():
+    """The processes' syncer books each merge right before it writes it to disk: a snapshot
+    taken with the first of two merges of one poll counts that one, not the second."""
+    from ddiloco.core.rounds import AnswerMeta, ClosedRound
+    from ddiloco.core.syncer_state import MergeResult
+
     ledger = RestartLedger(2)
     ledger.joined(0, 5, 0, [0, 0])
     ledger.reported(0, 1, 64, [], [0, 0])
     ledger.answered(0, 0, (0, 5, 0), 64, 0)
     ledger.answered(0, 1, (0, 5, 1), 64, 0)
-    ledger.hold_merges()
-    ledger.merged_answer((0, 5, 0), 1.0)  # two rounds merged in one poll
-    ledger.merged_answer((0, 5, 1), 1.0)
-    ledger.release_merges({(0, 5, 0)})  # the first is durable, the second not yet
-    snapshot = ledger.to_state()
+
+    def merged(p: int) -> MergeResult:  # what SyncerState.poll returns for fragment p
+        answer = AnswerMeta(0, 5, p, p, 0, 0, 1, 1, 64)
+        rnd = ClosedRound(p, 0, 0, (answer,), 0.0, 0.0, 0.0, 0.0, 1)
+        return MergeResult(p, 1, [], rnd, {0: 1.0}, 0.0, credits=((answer.key, 1.0),))
+
+    first, second = merged(0), merged(1)  # two rounds merged in one poll
+    assert ledger.merged == [0, 0]  # nothing is counted before it is booked
+    first.book(ledger)
+    snapshot = ledger.to_state()  # (written with the first merge's file)
     assert snapshot["merged"] == [64, 0] and snapshot["answers"][0][0] == [0, 5, 1]
-    ledger.release_merges()
+    second.book(ledger)
     assert ledger.merged == [64, 64] and ledger.errors == 0
-    ledger.merged_answer((0, 5, 1), 1.0)  # no longer held: an unknown answer is an error
+    second.book(ledger)  # booked twice: a contradiction, counted
     assert ledger.errors == 1
 
 

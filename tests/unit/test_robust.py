@@ -110,6 +110,7 @@ class Bench:
     def merge(self) -> MergeResult:
         self.now += 100.0  # past any grace window
         (result,) = self.syncer.poll(self.now)
+        result.book(self.ledger)
         for m in range(self.m):
             self.base[m] = result.version
             self.c_steps[m] = 0

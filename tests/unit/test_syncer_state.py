@@ -183,6 +183,7 @@ def test_ledger_balances_under_random_event_sequences(seed, k, staleness, apply)
                 assert syncer.on_answer(meta, delta, now) is Verdict.DUPLICATE
         elif action < 0.95:
             for result in syncer.poll(now + rng.random() * 2):
+                result.book(ledger)  # (the caller books a merge: MergeResult.book)
                 p = result.fragment
                 for rec in learners:
                     if rec.id in syncer.policy.progress:

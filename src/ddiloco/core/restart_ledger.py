@@ -2,10 +2,10 @@
 
 :class:`RestartLedger` wraps a :class:`~ddiloco.core.ledger.TokenLedger` (``book``) and adds
 what a syncer with durable state needs around it: a call that contradicts the book is counted
-in ``errors`` instead of raising, merges can be held back until they are durable, and a
-ledger loaded from a snapshot reconciles what learners told the lost syncer life after it
-(docs/decisions.md 33). It wraps rather than subclasses because its contracts differ (see
-the class docstring). Pure bookkeeping like the book: no tensors, no I/O.
+in ``errors`` instead of raising, and a ledger loaded from a snapshot reconciles what
+learners told the lost syncer life after it (docs/decisions.md 33). It wraps rather than
+subclasses because its contracts differ (see the class docstring). Pure bookkeeping like
+the book: no tensors, no I/O.
 """
 
 from __future__ import annotations
@@ -43,7 +43,6 @@ class RestartLedger:
     * :meth:`answered` returns 0, not the answer's new tokens, and takes the answer's
       ``base`` version; a re-pushed answer may add no tokens, or count missed ones as trained;
     * :meth:`reported` returns the tokens it counted, the restart's missed ones included;
-    * :meth:`merged_answer` is deferred while merges are held (:meth:`hold_merges`);
     * :meth:`to_state` adds a ``"tolerant"`` section, and :meth:`load_state` treats every
       life in the snapshot as spanning a restart.
     """
@@ -67,7 +66,6 @@ class RestartLedger:
         self.gap_check: set[int] = set()  # ... whose first progress report is still due
         self.restored_open: set[object] = set()  # answers open in the snapshot
         self._early: dict[int, int] = {}  # tokens answers re-reported before the gap check
-        self._held: list[tuple[object, float]] | None = None
         self.max_missed = 1 << 62  # tokens one learner's restart gap may add (the service sets it)
 
     def _guard(self, fn: Callable[..., object], *args: object) -> None:
@@ -201,27 +199,9 @@ class RestartLedger:
         return sorted(self.unconfirmed)
 
     # -- the syncer side (what core.syncer_state.SyncerState calls) --------------------------
-    def hold_merges(self) -> None:
-        """Keep merges back until :meth:`release_merges`: a snapshot taken with a fragment's
-        merge must not count the merges of later rounds, not yet durable."""
-        self._held = []
-
-    def release_merges(self, keys: set[object] | None = None) -> None:
-        """Count the held merges of ``keys``, still holding the others; None: count all of
-        them and stop holding."""
-        held, kept = self._held or [], []
-        for key, weight in held:
-            if keys is None or key in keys:
-                self._guard(self.book.merged_answer, key, weight)
-            else:
-                kept.append((key, weight))
-        self._held = None if keys is None else kept
-
     def merged_answer(self, key: object, weight: float) -> None:
-        """As :meth:`TokenLedger.merged_answer`, or held while merges are held."""
-        if self._held is not None:
-            self._held.append((key, weight))
-            return
+        """As :meth:`TokenLedger.merged_answer` (the service books a merge right before it
+        writes it to disk: ``MergeResult.book``)."""
         self._guard(self.book.merged_answer, key, weight)
 
     def wasted_answer(self, key: object, reason: str) -> None:
@@ -237,7 +217,7 @@ class RestartLedger:
         return self.book.since_base(learner, fragment)
 
     def close(self) -> None:
-        """End of run, as :meth:`TokenLedger.close` (held merges stay uncounted)."""
+        """End of run, as :meth:`TokenLedger.close`."""
         self.book.close()
 
     # -- the book's totals, read through -----------------------------------------------------

@@ -160,6 +160,15 @@ class MergeResult:
     scales: tuple[float, ...] = ()
     schedule_scale: float = 1.0  # the inner learning-rate factor of the outer step
     fraction: float = 1.0  # the share of a sync period the outer step covers
+    credits: tuple[tuple[Any, float], ...] = ()  # (answer key, weight) for the ledger
+
+    def book(self, ledger: SyncerLedger | None) -> None:
+        """Count this merge's answers as merged in ``ledger``. The caller books a merge
+        once it stands: the simulated clock at once, the processes' syncer right before it
+        writes the merge to disk (the file's ledger counts this merge and no later one)."""
+        if ledger is not None:
+            for key, weight in self.credits:
+                ledger.merged_answer(key, weight)
 
     def staleness(self) -> float:
         """Versions behind, on average over the round's answers: 0 when every answer's base
@@ -354,7 +363,11 @@ class SyncerState:
 
     # -- merging ----------------------------------------------------------------------------
     def poll(self, now: float) -> list[MergeResult]:
-        """Merge every round that is ready at ``now``; return the fragments to broadcast."""
+        """Merge every round that is ready at ``now``; return the fragments to broadcast.
+
+        Call order: the caller books each result (:meth:`MergeResult.book`) before anyone
+        hears of it: at once on the simulated clock; the processes' syncer books, writes it
+        to disk, then broadcasts (docs/design.md §6.1)."""
         results = []
         for closed in self.policy.ready(now):
             results.append(self._merge(closed))
@@ -394,9 +407,6 @@ class SyncerState:
         )
         version = self.policy.on_merged(closed)
         self.merged_opened[p] = closed.opened_step
-        for a, w in zip(closed.answers, weights, strict=True):
-            if self.ledger is not None:
-                self.ledger.merged_answer(a.key, w)
         self._count("merged_rounds")
         if self.config.robust.enabled:
             self.param_norms[p] = answer_norm(tensor_norms(self.fragments[p]))
@@ -410,6 +420,7 @@ class SyncerState:
             tuple(scales),
             factor,
             fraction,
+            tuple((a.key, w) for a, w in zip(closed.answers, weights, strict=True)),
         )
 
     def _clip(

@@ -258,6 +258,7 @@ class FragmentSim(SimRun):
     def poll(self) -> None:
         """Merge every round that is ready; wake up again at the next grace deadline."""
         for result in self.syncer.poll(self.clock.now):
+            result.book(self.ledger)
             self._broadcast(result)
         deadline = self.syncer.next_deadline()
         if deadline is not None and deadline not in self.wakes:

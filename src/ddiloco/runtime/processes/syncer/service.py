@@ -547,14 +547,8 @@ class SyncerService:
     # -- merging ----------------------------------------------------------------------------
     def poll(self) -> None:
         started = time.monotonic()
-        self.ledger.hold_merges()  # each merge is counted when (and as) it is made durable
-        try:
-            results = self.syncer.poll(self.events.now())
-        except BaseException:
-            self.ledger.release_merges()
-            raise
-        for result in results:
-            self.ledger.release_merges({a.key for a in result.round.answers})
+        for result in self.syncer.poll(self.events.now()):
+            result.book(self.ledger)  # counted as (and when) it is made durable, next
             self.persist(result)
             live = sorted(self.syncer.policy.progress)
             keys = [list(a.key) for a in result.round.answers]
@@ -565,7 +559,6 @@ class SyncerService:
                 (a.learner for a in result.round.answers), self.events.now()
             )
             self.events(**result.record(nbytes), tokens=self.tokens)  # (trained, as reported)
-        self.ledger.release_merges()  # (none is left: every merge was persisted)
         if self.payloads:
             for key in [k for k in self.payloads if k not in self.syncer.updates]:
                 del self.payloads[key]  # superseded or dropped: never merged
