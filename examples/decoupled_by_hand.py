@@ -79,7 +79,7 @@ def main(steps: int = 120, grace: bool = True, verbose: bool = True) -> dict[str
         config = TrainConfig(batch_size=8, lr=3e-3, warmup_steps=10)
         trainer = Trainer(model, stream, config, total_steps=steps // every)
         learners.append(Learner(m, every, trainer, LearnerSync(m, plan, trainer.params())))
-        syncer.policy.join(m)  # the learner is live: it is asked in every round from now on
+        syncer.join(m)  # the learner is live: it is asked in every round from now on
 
     def global_loss() -> float:  # evaluation always uses the syncer's Theta (§4.2)
         params = dict(reference.named_parameters())

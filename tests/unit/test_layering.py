@@ -217,6 +217,47 @@ def test_the_cycle_check_sees_a_cycle_behind_type_checking():
     assert import_cycles(lazy + c, names) == [["ddiloco.a", "ddiloco.c"]]
 
 
+THIRD_PARTY_PRIVATE = ("os._exit", "torch.autograd.Variable._execution_engine")
+
+
+def private_uses(source: str, path: Path) -> list[str]:
+    """``x._name`` read off anything but ``self``/``cls``, and ``from ddiloco... import
+    _name``: a module reaching into another's privates."""
+    out = []
+    for node in ast.walk(ast.parse(source, str(path))):
+        if isinstance(node, ast.Attribute) and node.attr.startswith("_"):
+            if node.attr.startswith("__") or ast.unparse(node) in THIRD_PARTY_PRIVATE:
+                continue
+            if not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
+                out.append(f"{path.name}:{node.lineno}: {ast.unparse(node)}")
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("ddiloco"):
+            for alias in node.names:
+                if alias.name.startswith("_") and not alias.name.startswith("__"):
+                    out.append(f"{path.name}:{node.lineno}: from {node.module} import {alias.name}")
+    return out
+
+
+def test_no_module_reaches_into_anothers_private_names():
+    bad = [use for _, path, text in MODULES for use in private_uses(text, path)]
+    assert not bad, "private names used across files:\n  " + "\n  ".join(bad)
+
+
+def test_the_syncer_state_is_the_only_door_to_the_round_policy():
+    """Runtimes drive the syncer through ``SyncerState`` (join, leave, live, ...), never
+    its round policy (issue 30): ``syncer.policy`` appears nowhere."""
+    bad = [
+        f"{path.name}:{node.lineno}: {ast.unparse(node)}"
+        for _, path, text in MODULES
+        for node in ast.walk(ast.parse(text, str(path)))
+        if isinstance(node, ast.Attribute)
+        and node.attr in ("policy", "_policy")
+        and ast.unparse(node.value).endswith("syncer")
+    ]
+    assert not bad, "the round policy reached around SyncerState:\n  " + "\n  ".join(bad)
+    found = private_uses("a._b\nself._c\nfrom ddiloco.x import _d\n", Path("t.py"))
+    assert sorted(found) == ["t.py:1: a._b", "t.py:3: from ddiloco.x import _d"]
+
+
 def io_uses(source: str, module: str, path: Path) -> list[Import]:
     """Reads of the environment and file openings: ``os.environ``, ``os.getenv``, ``environ``
     or ``getenv`` imported from os, ``open(...)`` (also ``io.open``, ``os.open``), ``Path(...)``."""

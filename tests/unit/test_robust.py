@@ -69,7 +69,7 @@ class Bench:
         self.base = [0] * learners
         self.c_steps = [0] * learners
         for m in range(learners):
-            self.syncer.policy.join(m)
+            self.syncer.join(m)
         self.now = 0.0
         self.last: AnswerMeta | None = None
 
@@ -434,7 +434,7 @@ def test_a_restored_fragment_keeps_its_window():
         syncer.fragments[0],
         syncer.outer[0].state_dict(),
         syncer.versions[0],
-        syncer.policy.next_round_id[0],
+        syncer.next_round_id(0),
         [],
         {},
     )

@@ -34,7 +34,7 @@ def make_syncer() -> SyncerState:
 
 
 def merge_once(syncer: SyncerState, learner: int = 0, seq: int = 0):
-    syncer.policy.join(learner)
+    syncer.join(learner)
     rounds = syncer.on_progress(learner, seq + 1, float(seq))
     p = rounds[0].fragment
     meta = AnswerMeta(learner, 5, seq, p, rounds[0].round_id, syncer.versions[p], seq + 1, 1, 64)
@@ -52,7 +52,7 @@ def test_a_restarted_syncer_restores_fragments_outer_state_versions_and_ids(tmp_
     store.save(record_of(syncer, p, tokens=64, applied=[meta.key]))
     fresh = make_syncer()
     step, tokens = restore(fresh, store.load())
-    assert (step, tokens) == (syncer.policy.global_step, 64)
+    assert (step, tokens) == (syncer.global_step, 64)
     assert fresh.versions == syncer.versions
     for a, b in zip(fresh.fragments[p], syncer.fragments[p], strict=True):
         assert torch.equal(a, b)
@@ -60,7 +60,7 @@ def test_a_restarted_syncer_restores_fragments_outer_state_versions_and_ids(tmp_
     assert ours["steps"] == theirs["steps"] == 1
     assert all(torch.equal(a, b) for a, b in zip(ours["buffers"], theirs["buffers"], strict=True))
     # the merged answer, pushed again after the restart, is recognised and not applied twice
-    fresh.policy.join(0)
+    fresh.join(0)
     delta = [torch.zeros_like(t) for t in fresh.fragments[p]]
     assert fresh.on_answer(meta, delta, 100.0).value == "duplicate"
     again = AnswerMeta(0, 5, 99, p, meta.round_id, meta.base_version, 9, 1, 64)

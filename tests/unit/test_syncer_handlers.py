@@ -128,8 +128,8 @@ def test_peers_are_the_learners_that_trained_the_furthest_first(service, monkeyp
     # copying too and does not answer: a 10-s timeout each, seen by hand)
     sent: list[tuple[int, str, dict]] = []
     monkeypatch.setattr(service, "send", lambda m, kind, meta=None: sent.append((m, kind, meta)))
-    policy = service.syncer.policy
-    monkeypatch.setattr(policy, "progress", {0: 0, 1: 0, 2: 7, 3: 12})
+    for m, step in {0: 0, 1: 0, 2: 7, 3: 12}.items():
+        service.syncer.join(m, step)
     monkeypatch.setattr(service, "addresses", {m: f"127.0.0.1:{4000 + m}" for m in range(4)})
     service.on_peers(0, {}, memoryview(b""))
     service.on_peers(3, {}, memoryview(b""))

@@ -39,7 +39,7 @@ def _syncer(k: int = 1, ledger: TokenLedger | None = None, **rounds) -> SyncerSt
 
 def test_single_learner_with_lr_one_sgd_lands_exactly_on_the_learner():
     syncer = _syncer()
-    syncer.policy.join(0)
+    syncer.join(0)
     (rnd,) = syncer.on_progress(0, 1, now=0.0, step_seconds=1.0)
     p = rnd.fragment
     learner = {k: v + 0.25 for k, v in _params().items()}
@@ -60,7 +60,7 @@ def test_shared_initial_values_are_merged_in_place_and_a_copy_leaves_them_alone(
     cfg = SyncerConfig(RoundConfig(quorum=1), "rda", OuterConfig("sgd", lr=1.0))
     model = _params()
     syncer = SyncerState(plan, model, cfg, share_initial=share)
-    syncer.policy.join(0)
+    syncer.join(0)
     (rnd,) = syncer.on_progress(0, 1, now=0.0, step_seconds=1.0)
     p = rnd.fragment
     learner = {k: v + 0.25 for k, v in _params().items()}
@@ -84,7 +84,7 @@ def test_the_schedule_factor_is_taken_at_the_credited_step_not_the_claimed_one(c
         return 1.0 if step < 100 else 0.1
 
     syncer = SyncerState(plan, _params(), cfg, plain_tensors={"emb.weight"}, schedule=factor)
-    syncer.policy.join(0)
+    syncer.join(0)
     (rnd,) = syncer.on_progress(0, 1, now=0.0, step_seconds=1.0)  # what it is credited with
     delta = [torch.full_like(t, 0.1) for t in syncer.fragments[rnd.fragment]]
     meta = AnswerMeta(0, 0, 0, rnd.fragment, rnd.round_id, 0, claimed, 1, 100)
@@ -95,7 +95,7 @@ def test_the_schedule_factor_is_taken_at_the_credited_step_not_the_claimed_one(c
 
 def test_non_finite_and_misshapen_updates_are_refused():
     syncer = _syncer()
-    syncer.policy.join(0)
+    syncer.join(0)
     (rnd,) = syncer.on_progress(0, 1, now=0.0)
     meta = AnswerMeta(0, 0, 0, rnd.fragment, 0, 0, 1, 1, 10)
     shapes = [t.shape for t in syncer.fragments[rnd.fragment]]
@@ -107,7 +107,7 @@ def test_non_finite_and_misshapen_updates_are_refused():
         syncer.on_answer(meta, [torch.zeros(1)] * len(shapes), now=0.0)
     with pytest.raises(ConfigError, match="delta"):
         syncer.on_answer(meta, [], now=0.0)
-    assert syncer.policy.open[rnd.fragment].answers == {}  # nothing half-applied
+    assert syncer.open_rounds[rnd.fragment].answers == {}  # nothing half-applied
 
 
 class _Learner:
@@ -152,7 +152,7 @@ def test_ledger_balances_under_random_event_sequences(seed, k, staleness, apply)
     syncer = _syncer(k=k, ledger=ledger, max_staleness=staleness)
     learners = [_Learner(m, syncer, apply) for m in range(3)]
     for lr in learners:
-        syncer.policy.join(lr.id)
+        syncer.join(lr.id)
     in_flight: list[tuple[AnswerMeta, list[torch.Tensor]]] = []
     now = 0.0
     for _ in range(120):
@@ -186,7 +186,7 @@ def test_ledger_balances_under_random_event_sequences(seed, k, staleness, apply)
                 result.book(ledger)  # (the caller books a merge: MergeResult.book)
                 p = result.fragment
                 for rec in learners:
-                    if rec.id in syncer.policy.progress:
+                    if rec.id in syncer.live:
                         values = syncer.fragments[p]
                         if rec.sync.apply(p, result.version, values, rec.params):
                             ledger.rebased(rec.id, p)
@@ -194,9 +194,9 @@ def test_ledger_balances_under_random_event_sequences(seed, k, staleness, apply)
                             assert rec.sync.c_tokens[p] == since
         else:  # crash and restart with a new life
             ledger.crashed(lr.id)
-            syncer.policy.leave(lr.id, now)
+            syncer.leave(lr.id, now)
             lr.restart(syncer)
-            syncer.policy.join(lr.id, lr.sync.step)
+            syncer.join(lr.id, lr.sync.step)
         assert ledger.balanced()
     for meta, _ in in_flight:
         ledger.wasted_answer(meta.key, "lost_in_flight")
@@ -236,7 +236,7 @@ def test_the_period_fraction_counts_global_steps_since_the_last_merged_round_ope
 
 def test_a_final_round_merges_without_pushing_momentum():
     syncer = _syncer()
-    syncer.policy.join(0)
+    syncer.join(0)
     (rnd,) = syncer.on_progress(0, 1, now=0.0, step_seconds=1.0)
     delta = [torch.full_like(t, 0.1) for t in syncer.fragments[rnd.fragment]]
     meta = AnswerMeta(0, 0, 0, rnd.fragment, rnd.round_id, 0, 1, 1, 100)

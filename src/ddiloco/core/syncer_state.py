@@ -14,13 +14,14 @@ import dataclasses
 import math
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from types import MappingProxyType
 
 import torch
 
 from ddiloco.core.fragments import gather
 from ddiloco.core.ledger import OUTLIER, SyncerLedger
 from ddiloco.core.merge import MERGE_RULES, merge, tensor_norms, token_weight
+from ddiloco.core.merged import MergeResult
 from ddiloco.core.outer import OuterConfig, OuterOptimizer, make_outer_optimizer
 from ddiloco.core.plans import FragmentPlan
 from ddiloco.core.robust import (
@@ -44,6 +45,8 @@ from ddiloco.core.rounds import (
     Verdict,
 )
 from ddiloco.errors import ConfigError, require
+
+__all__ = ["MergeResult", "SyncerConfig", "SyncerState", "merge_step"]
 
 
 @dataclass(frozen=True)
@@ -144,61 +147,6 @@ def merge_step(
     return norm
 
 
-@dataclass(frozen=True)
-class MergeResult:
-    """A merged fragment to broadcast, and what went into it."""
-
-    fragment: int
-    version: int
-    tensors: list[torch.Tensor]  # the new global fragment (the syncer's own tensors: copy to send)
-    round: ClosedRound
-    weights: dict[int, float]  # learner -> summed weight in this merge
-    update_norm: float  # L2 norm of the merged outer gradient
-    # per answer (in round order): the factor its delta was scaled by (< 1: norm-clipped).
-    # A replay of the merge applies ``robust.scaled`` with it; the round's answers already
-    # carry the credited counters the weights came from.
-    scales: tuple[float, ...] = ()
-    schedule_scale: float = 1.0  # the inner learning-rate factor of the outer step
-    fraction: float = 1.0  # the share of a sync period the outer step covers
-    credits: tuple[tuple[Any, float], ...] = ()  # (answer key, weight) for the ledger
-
-    def book(self, ledger: SyncerLedger | None) -> None:
-        """Count this merge's answers as merged in ``ledger``. The caller books a merge
-        once it stands: the simulated clock at once, the processes' syncer right before it
-        writes the merge to disk (the file's ledger counts this merge and no later one)."""
-        if ledger is not None:
-            for key, weight in self.credits:
-                ledger.merged_answer(key, weight)
-
-    def staleness(self) -> float:
-        """Versions behind, on average over the round's answers: 0 when every answer's base
-        is the version this merge replaced."""
-        answers = self.round.answers
-        if not answers:
-            return 0.0
-        return sum(self.version - 1 - a.base_version for a in answers) / len(answers)
-
-    def record(self, broadcast_bytes: int) -> dict[str, Any]:
-        """The ``round`` record every runtime writes to metrics.jsonl (without its time)."""
-        rnd = self.round
-        return {
-            "kind": "round",
-            "fragment": self.fragment,
-            "version": self.version,
-            "opened_at": rnd.opened_at,
-            "quorum_at": rnd.quorum_at,
-            "grace": rnd.grace,
-            "answers": len(rnd.answers),
-            "asked": rnd.asked,
-            "weights": {str(k): v for k, v in sorted(self.weights.items())},
-            "update_norm": self.update_norm,
-            "schedule_scale": self.schedule_scale,
-            "fraction": self.fraction,
-            "staleness": self.staleness(),
-            "broadcast_bytes": broadcast_bytes,
-        }
-
-
 class SyncerState:
     """The syncer's pure state machine."""
 
@@ -220,7 +168,7 @@ class SyncerState:
         self.plan = plan
         self.config = config
         self.schedule = schedule
-        self.policy = RoundPolicy(plan.num_fragments, plan.due, plan.sync_every, config.rounds)
+        self._policy = RoundPolicy(plan.num_fragments, plan.due, plan.sync_every, config.rounds)
         with torch.no_grad():
             self.fragments = [
                 [
@@ -250,27 +198,81 @@ class SyncerState:
 
     @property
     def versions(self) -> list[int]:
-        return self.policy.versions
+        return self._policy.versions
+
+    # -- membership and what runtimes read: the one door (the round policy stays inside) ----
+    def join(self, learner: int, step: int = 0) -> list[Round]:
+        """A learner (re)joins at ``step``; returns the open rounds to ask it for."""
+        return self._policy.join(learner, step)
+
+    def leave(self, learner: int, now: float) -> None:
+        """A learner left, crashed or was given up on: its held answers stay (they may merge)."""
+        self._policy.leave(learner, now)
+
+    @property
+    def live(self) -> Mapping[int, int]:
+        """The live learners and the step each last reported (read-only)."""
+        return MappingProxyType(self._policy.progress)
+
+    @property
+    def global_step(self) -> int:
+        return self._policy.global_step
+
+    @property
+    def open_rounds(self) -> Mapping[int, Round]:
+        """Fragment -> its open round (read-only)."""
+        return MappingProxyType(self._policy.open)
+
+    def has_seen(self, key: tuple[int, int, int]) -> bool:
+        """Whether the answer ``key`` came before (merged, held or dropped): a re-push."""
+        return key in self._policy.seen
+
+    def next_round_id(self, p: int) -> int:
+        return self._policy.next_round_id[p]
+
+    @property
+    def step_seconds(self) -> float | None:
+        """The fleet's step time (an EMA of the reports), None before the first."""
+        return self._policy.step_time.value
+
+    def merged_bases(self, p: int) -> dict[tuple[int, int], int]:
+        """(learner, incarnation) -> the highest base version of theirs merged into ``p``."""
+        return {(m, inc): b for (m, inc, q), b in self._policy.merged_base.items() if q == p}
+
+    def clock_state(self) -> tuple[int, float | None, float | None]:
+        """(global step, step-time EMA, sync-time EMA): the syncer clock's durable state."""
+        policy = self._policy
+        return policy.global_step, policy.step_time.value, policy.sync_time.value
+
+    def load_clock(
+        self, global_step: int, step_seconds: float | None = None, sync_seconds: float | None = None
+    ) -> None:
+        """Put the syncer clock back where :meth:`clock_state` was (a restart, a resume)."""
+        self._policy.global_step = global_step
+        if step_seconds is not None:
+            self._policy.step_time.value = step_seconds
+        if sync_seconds is not None:
+            self._policy.sync_time.value = sync_seconds
 
     # -- inputs -----------------------------------------------------------------------------
     def on_progress(
         self, learner: int, step: int, now: float, step_seconds: float | None = None
     ) -> list[Round]:
         """A learner's progress report; returns the rounds to ask learners for."""
-        opened = self.policy.on_progress(learner, step, now, step_seconds)
+        opened = self._policy.on_progress(learner, step, now, step_seconds)
         self._apply_events()  # held answers that joined (or aged out of) the new rounds
         return opened
 
     def finish(self, now: float, deadline: float) -> list[Round]:
         """The run's end: the final rounds (:meth:`RoundPolicy.finish`), to ask learners for."""
-        rounds = self.policy.finish(now, deadline)
+        rounds = self._policy.finish(now, deadline)
         self._apply_events()  # held answers that joined (or aged out of) the final rounds
         return rounds
 
     @property
     def finished(self) -> bool:
         """After :meth:`finish`: every final round has closed."""
-        return self.policy.finishing and not self.policy.open
+        return self._policy.finishing and not self._policy.open
 
     def on_answer(self, meta: AnswerMeta, delta: Sequence[torch.Tensor], now: float) -> Verdict:
         """A learner's decoded answer: ``delta`` = theta_learner - Theta_base, per slice."""
@@ -278,7 +280,7 @@ class SyncerState:
         self._check_delta(meta.fragment, delta)
         norms: list[float] | None = None
         rate = 0.0
-        if self.config.robust.enabled and self.policy.screen(meta) is Verdict.ACCEPTED:
+        if self.config.robust.enabled and self._policy.screen(meta) is Verdict.ACCEPTED:
             meta, steps = self._credited(meta)
             norms = tensor_norms(delta)  # while the data is hot in cache
             p, length = meta.fragment, answer_norm(norms)
@@ -287,13 +289,13 @@ class SyncerState:
                 self.config.robust, length, steps, self.param_norms[p], self.norm_windows[p]
             )
             if why is not None:
-                self.policy.refuse(meta)
+                self._policy.refuse(meta)
                 self._count(Verdict.OUTLIER.value)
                 self._count(f"outlier_{why}")
                 if self.ledger is not None:
                     self.ledger.wasted_answer(meta.key, OUTLIER)
                 return Verdict.OUTLIER
-        verdict = self.policy.on_answer(meta, now)
+        verdict = self._policy.on_answer(meta, now)
         self._count(verdict.value)
         if verdict in (Verdict.ACCEPTED, Verdict.WAITING):
             self.updates[meta.key] = list(delta)
@@ -327,9 +329,9 @@ class SyncerState:
         """The answer as of the step its learner is credited with (its progress reports,
         bounded by core/credit.py under processes), not the step it claims: a learner's
         claim never picks the schedule factor its delta is merged at."""
-        step = self.policy.progress.get(answer.learner)
+        step = self._policy.progress.get(answer.learner)
         if step is None:  # (gone since it answered)
-            step = min(answer.local_step, self.policy.global_step)
+            step = min(answer.local_step, self._policy.global_step)
         return dataclasses.replace(answer, local_step=step)
 
     def _check_delta(self, p: int, delta: Sequence[torch.Tensor]) -> None:
@@ -345,7 +347,7 @@ class SyncerState:
                 raise ConfigError(f"delta[{i}]", "non-finite", "NaN/Inf update refused")
 
     def _apply_events(self) -> None:
-        for event in self.policy.take_events():
+        for event in self._policy.take_events():
             if isinstance(event, Supersession):
                 self.updates.pop(event.old, None)
                 self.norms.pop(event.old, None)
@@ -369,7 +371,7 @@ class SyncerState:
         hears of it: at once on the simulated clock; the processes' syncer books, writes it
         to disk, then broadcasts (docs/design.md §6.1)."""
         results = []
-        for closed in self.policy.ready(now):
+        for closed in self._policy.ready(now):
             results.append(self._merge(closed))
         self._apply_events()
         return results
@@ -405,7 +407,7 @@ class SyncerState:
             factor,
             fraction,
         )
-        version = self.policy.on_merged(closed)
+        version = self._policy.on_merged(closed)
         self.merged_opened[p] = closed.opened_step
         self._count("merged_rounds")
         if self.config.robust.enabled:
@@ -474,18 +476,18 @@ class SyncerState:
         self.param_norms[p] = answer_norm(tensor_norms(self.fragments[p]))
         self.norm_windows[p].load(norm_window)
         self.outer[p].load_state_dict(dict(outer_state))
-        self.policy.versions[p] = version
-        self.policy.next_round_id[p] = next_round_id
-        self.policy.seen.update(applied)
+        self._policy.versions[p] = version
+        self._policy.next_round_id[p] = next_round_id
+        self._policy.seen.update(applied)
         for (learner, incarnation), base in merged_base.items():
-            self.policy.merged_base[(learner, incarnation, p)] = base
+            self._policy.merged_base[(learner, incarnation, p)] = base
 
     def record_sync_time(self, seconds: float) -> None:
         """Merge + broadcast duration measured by the runtime, for the grace window."""
-        self.policy.sync_time.update(seconds)
+        self._policy.sync_time.update(seconds)
 
     def next_deadline(self) -> float | None:
-        return self.policy.next_deadline()
+        return self._policy.next_deadline()
 
     def _count(self, name: str) -> None:
         self.counts[name] = self.counts.get(name, 0) + 1

@@ -77,7 +77,7 @@ class FragmentSim(SimRun):
             state = NodeState.STEPPING if present else NodeState.ABSENT
             self.nodes.append(Node(m, trainer, self.boundary_of(sync), state=state))
             if present:
-                self.syncer.policy.join(m)
+                self.syncer.join(m)
         self.faults = Faults(self)
         self.tokens = 0
         self.next_eval = 0
@@ -227,7 +227,7 @@ class FragmentSim(SimRun):
     # -- syncer -----------------------------------------------------------------------------
     def _progress_arrive(self, m: int, incarnation: int, step: int, step_seconds: float) -> None:
         node = self.nodes[m]
-        if node.incarnation != incarnation or m not in self.syncer.policy.progress:
+        if node.incarnation != incarnation or m not in self.syncer.live:
             return
         latency = self.config.network.latency_seconds
         for rnd in self.syncer.on_progress(m, step, self.clock.now, step_seconds):
@@ -277,7 +277,7 @@ class FragmentSim(SimRun):
         payload = encode_tensors(result.tensors, self.sync.broadcast_spec())
         values = decode_tensors(payload)  # what every learner receives
         last = now + merge_seconds
-        for m in sorted(self.syncer.policy.progress):
+        for m in sorted(self.syncer.live):
             arrival = self.network.down(m, now + merge_seconds, len(payload))
             self.bytes_down += len(payload)
             last = max(last, arrival)
@@ -326,7 +326,7 @@ class FragmentSim(SimRun):
         a checkpoint carries (``ddiloco train --resume``)."""
         now = self.clock.now
         tensors: dict[str, torch.Tensor] = {}
-        syncer, policy = self.syncer, self.syncer.policy
+        syncer = self.syncer
         outer = [pack(f"outer.{p}", o.state_dict(), tensors) for p, o in enumerate(syncer.outer)]
         idle = self.idle_seconds
         if not final:  # (at the end, the run has already counted the waits still going on)
@@ -356,11 +356,11 @@ class FragmentSim(SimRun):
             "idle_seconds": idle,
             "uptime": [uptime, up.first],
             "counts": dict(syncer.counts),
-            "versions": list(policy.versions),
-            "next_round_id": list(policy.next_round_id),
-            "global_step": policy.global_step,
+            "versions": list(syncer.versions),
+            "next_round_id": [syncer.next_round_id(p) for p in range(self.plan.num_fragments)],
+            "global_step": syncer.global_step,
             "merged_opened": list(syncer.merged_opened),  # the outer momentum's period clock
-            "ema": [policy.step_time.value, policy.sync_time.value],
+            "ema": list(syncer.clock_state()[1:]),
             "norm_windows": [list(w.values) for w in syncer.norm_windows],
             "outer": outer,
             "ledger": self.ledger.to_state(),
@@ -375,7 +375,7 @@ class FragmentSim(SimRun):
         is wasted as ``resumed``), and every learner present then starting from the global model
         at its own step, learning-rate step and data position, with a fresh inner optimizer."""
         v, plan = resume.values, self.plan
-        syncer, policy = self.syncer, self.syncer.policy
+        syncer = self.syncer
         if len(v["learners"]) != len(self.nodes) or len(v["outer"]) != plan.num_fragments:
             raise CheckpointError(
                 resume.checkpoint / STATE, "does not fit this run's learners/plan"
@@ -393,10 +393,10 @@ class FragmentSim(SimRun):
                 {},
                 v["norm_windows"][p],
             )
-        policy.global_step = int(v["global_step"])
+        step_seconds, sync_seconds = v["ema"]
         opened = v.get("merged_opened") or [None] * plan.num_fragments
         syncer.merged_opened = [None if s is None else int(s) for s in opened]
-        policy.step_time.value, policy.sync_time.value = v["ema"]
+        syncer.load_clock(int(v["global_step"]), step_seconds, sync_seconds)
         syncer.counts = dict(v["counts"])
         self.ledger.load_state(v["ledger"])
         for row in v["ledger"]["answers"]:  # in flight at the checkpoint: lost
@@ -416,7 +416,7 @@ class FragmentSim(SimRun):
             node.inbox.clear()
             if not saved["present"]:
                 node.state = NodeState.ABSENT
-                policy.leave(node.id, now)
+                syncer.leave(node.id, now)
                 continue
             trainer = node.trainer
             params = trainer.params()
@@ -437,4 +437,4 @@ class FragmentSim(SimRun):
             sync.step = int(saved["step"])
             node.boundary = self.boundary_of(sync)
             node.state = NodeState.STEPPING
-            policy.join(node.id, sync.step)
+            syncer.join(node.id, sync.step)

@@ -111,7 +111,7 @@ class Faults:
         if node.incarnation != incarnation or not node.frozen:
             return
         node.frozen = False
-        if m not in sim.syncer.policy.progress:  # it had been given up on: register again
+        if m not in sim.syncer.live:  # it had been given up on: register again
             self._rejoin(node)
         if node.step_pending:
             node.step_pending = False
@@ -137,7 +137,7 @@ class Faults:
         sim = self.sim
         self._drop(node, reasons.LEFT, NodeState.ABSENT)
         node.down_since = None  # no longer allocated: not counted as lost capacity
-        sim.syncer.policy.leave(node.id, sim.clock.now)
+        sim.syncer.leave(node.id, sim.clock.now)
         sim.poll()
 
     def _preempt(self, node: Node, event: ChaosEvent) -> None:
@@ -147,7 +147,7 @@ class Faults:
             return
         sim = self.sim
         self._drop(node, reasons.LEFT, NodeState.DOWN)
-        sim.syncer.policy.leave(node.id, sim.clock.now)
+        sim.syncer.leave(node.id, sim.clock.now)
         sim.poll()
         sim.clock.after(event.duration, self._restart, node.id, node.incarnation)
 
@@ -176,7 +176,7 @@ class Faults:
         sim = self.sim
         node = sim.nodes[m]
         if node.incarnation == incarnation and not node.running:
-            sim.syncer.policy.leave(m, sim.clock.now)
+            sim.syncer.leave(m, sim.clock.now)
             sim.emit({"kind": "detected", "t": sim.clock.now, "learner": m})
             sim.poll()
 
@@ -234,7 +234,7 @@ class Faults:
                 blend=node.sync.blend,
                 versions=sim.syncer.versions,
             )
-            sync.step = sim.syncer.policy.global_step
+            sync.step = sim.syncer.global_step
             node.boundary = sim.boundary_of(sync)
         node.sync.incarnation = incarnation
         sim.account_uptime()
@@ -251,7 +251,7 @@ class Faults:
         """Register with the syncer and get every fragment newer than what it holds."""
         sim = self.sim
         latency = sim.config.network.latency_seconds
-        for rnd in sim.syncer.policy.join(node.id, node.sync.step):
+        for rnd in sim.syncer.join(node.id, node.sync.step):
             sim.clock.after(
                 latency, sim.ask_arrive, node.id, node.incarnation, rnd.fragment, rnd.round_id
             )

@@ -30,17 +30,16 @@ def record_of(
     """Fragment ``p``'s durable record, right after a merge. ``applied`` is every answer key
     merged into it so far (the service keeps that list: the core forgets merged ids);
     ``ledger`` the ledger's state counting this merge and no later one."""
-    policy = syncer.policy
     return FragmentRecord(
         fragment=p,
-        version=policy.versions[p],
-        next_round_id=policy.next_round_id[p],
-        global_step=policy.global_step,
+        version=syncer.versions[p],
+        next_round_id=syncer.next_round_id(p),
+        global_step=syncer.global_step,
         tokens=tokens,
         values=syncer.fragments[p],
         outer=syncer.outer[p].state_dict(),
         applied=applied,
-        merged_base={(lrn, inc): b for (lrn, inc, q), b in policy.merged_base.items() if q == p},
+        merged_base=syncer.merged_bases(p),
         ledger=ledger,
         norm_window=list(syncer.norm_windows[p].values),
     )
@@ -49,7 +48,6 @@ def record_of(
 @torch.no_grad()
 def restore(syncer: SyncerState, records: dict[int, FragmentRecord]) -> tuple[int, int]:
     """Load durable records into a freshly built syncer; returns (global step, tokens)."""
-    policy = syncer.policy
     step, tokens = 0, 0
     for p, rec in sorted(records.items()):
         if not 0 <= p < len(syncer.fragments):
@@ -69,7 +67,7 @@ def restore(syncer: SyncerState, records: dict[int, FragmentRecord]) -> tuple[in
             raise StoreError(exc.field, exc.value, exc.why) from None
         step = max(step, rec.global_step)
         tokens = max(tokens, rec.tokens)
-    policy.global_step = step
+    syncer.load_clock(step)
     return step, tokens
 
 

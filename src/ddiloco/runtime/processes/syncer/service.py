@@ -236,7 +236,7 @@ class SyncerService:
         # (learners reconnect within seconds of a restart; one that died meanwhile must not
         # hold the end up for long)
         self.await_restored_learners(min(seconds, 3 * self.attendance.detect_seconds))
-        if not self.syncer.policy.progress:
+        if not self.syncer.live:
             return
         started = self.events.now()
         merged = self.syncer.counts.get("merged_rounds", 0)
@@ -295,7 +295,7 @@ class SyncerService:
         fragments, not the M models that asking every fragment at once gathered (issue 28),
         and a slow or silent learner holds up no other learner's answers."""
         owed: dict[int, Round] = {}
-        for rnd in sorted(self.syncer.policy.open.values(), key=lambda r: r.fragment):
+        for rnd in sorted(self.syncer.open_rounds.values(), key=lambda r: r.fragment):
             for m in rnd.asked - rnd.finally_answered:
                 owed.setdefault(m, rnd)
         return owed
@@ -352,12 +352,12 @@ class SyncerService:
             self.budget.join(
                 m, self.ledger.last_step[m][0] if restored else None, now, ceiling=step
             )
-        asks = self.syncer.policy.join(m, step)
+        asks = self.syncer.join(m, step)
         self.send(
             m,
             "welcome",
             meta={
-                "global_step": self.syncer.policy.global_step,
+                "global_step": self.syncer.global_step,
                 "versions": list(self.syncer.versions),
             },
         )
@@ -396,7 +396,7 @@ class SyncerService:
         has credited anyone (or its global step) plus ``step_slack`` (a copied peer's or a
         save's step is a step some learner reached; a claim beyond it would move the global
         step, and every round with it). A capped claim is counted and said."""
-        known = [self.syncer.policy.global_step, *(s for s, _ in self.ledger.last_step.values())]
+        known = [self.syncer.global_step, *(s for s, _ in self.ledger.last_step.values())]
         known += [s for k in self.budget.learners if (s := self.budget.step_of(k)) is not None]
         ceiling = max(known) + self.step_slack
         if claimed <= ceiling:
@@ -420,7 +420,7 @@ class SyncerService:
     def roster(self) -> None:
         """Who the network thread beats, and whether each is waited for (one that is not
         says hello again)."""
-        live = self.syncer.policy.progress
+        live = self.syncer.live
         self.conn.beats = {m: m in live for m in self.incarnations}
 
     def on_inline(self, m: int, meta: dict[str, Any], _: memoryview) -> None:
@@ -436,7 +436,7 @@ class SyncerService:
         steps, and early in a run a stepping peer can still be at 0 here). With them, our
         fragment versions: no honest peer holds a later one (a merge is durable before it is
         broadcast), so the newcomer refuses a snapshot that claims one."""
-        live = self.syncer.policy.progress
+        live = self.syncer.live
         ahead = sorted((k for k in live if k != m), key=lambda k: (-live[k], k))
         peers = {str(k): self.addresses[k] for k in ahead if self.addresses.get(k)}
         self.send(m, "peers", meta={"peers": peers, "versions": list(self.syncer.versions)})
@@ -449,7 +449,7 @@ class SyncerService:
         inc = report.incarnation
         added = self.totals.reported(m, inc, report.totals, report.tokens, report.rebased)
         steps, step = self.count_progress(m, report.step, *added)
-        if m not in self.syncer.policy.progress:  # a life we gave up (silent: frozen, cut
+        if m not in self.syncer.live:  # a life we gave up (silent: frozen, cut
             self.send(m, "rehello")  # off) trained these all the same: counted (its answers
             return  # claim them); it says hello to be waited for again
         if not steps:
@@ -481,7 +481,7 @@ class SyncerService:
         if caught_up[0] or caught_up[1]:  # reports it was sent after never came: count them
             self.counts["progress_caught_up"] += 1
             self.count_progress(m, answer.local_step, *caught_up)
-        if self.restored and answer.round_id >= self.syncer.policy.next_round_id[answer.fragment]:
+        if self.restored and answer.round_id >= self.syncer.next_round_id(answer.fragment):
             # re-pushed for a round the previous life opened but never made durable: the
             # answer itself is sound, so it joins the fragment's current or next round
             answer = dataclasses.replace(answer, round_id=UNSOLICITED)
@@ -493,7 +493,7 @@ class SyncerService:
             self.counts[f"refused_{exc.reason}"] += 1
             self.verdict(m, answer, "refused_" + exc.reason)
             return
-        if answer.key not in self.syncer.policy.seen:  # a re-push is not new work
+        if not self.syncer.has_seen(answer.key):  # a re-push is not new work
             before = self.ledger.trained_tokens  # (re-reported tokens a restart missed)
             self.ledger.answered(
                 m, answer.fragment, answer.key, answer.c_tokens, answer.base_version, overtaken
@@ -512,7 +512,7 @@ class SyncerService:
     def ask_again(self, m: int, p: int) -> None:
         """A final round still owed an answer by ``m``, whose answer was on an old base: ask
         again once the merged fragment has had time to arrive (at most every 0.2 s)."""
-        rnd = self.syncer.policy.open.get(p)
+        rnd = self.syncer.open_rounds.get(p)
         if rnd is None or rnd.final_at is None or m not in rnd.asked - rnd.finally_answered:
             return
         if self.asked_again.ready((m, p)):
@@ -529,7 +529,7 @@ class SyncerService:
 
     def on_bye(self, m: int, meta: dict[str, Any], _: memoryview) -> None:
         self.account_uptime(self.events.now())
-        self.syncer.policy.leave(m, self.events.now())
+        self.syncer.leave(m, self.events.now())
         self.ledger.crashed(m, LEFT)
         self.incarnations.pop(m, None)
         self.roster()
@@ -550,7 +550,7 @@ class SyncerService:
         for result in self.syncer.poll(self.events.now()):
             result.book(self.ledger)  # counted as (and when) it is made durable, next
             self.persist(result)
-            live = sorted(self.syncer.policy.progress)
+            live = sorted(self.syncer.live)
             keys = [list(a.key) for a in result.round.answers]
             nbytes = self.send_fragment(live, result.fragment, result.version, result.tensors, keys)
             self.syncer.record_sync_time(time.monotonic() - started)
@@ -591,11 +591,11 @@ class SyncerService:
     def check_liveness(self, now: float) -> None:
         """Give up the learners silent for ``detect_seconds``: no longer waited for; the
         ledger waits to see a new life (or the end)."""
-        late = self.attendance.overdue(self.syncer.policy.progress, now, self.conn.heard)
+        late = self.attendance.overdue(self.syncer.live, now, self.conn.heard)
         if late:
             self.account_uptime(now)
         for m in late:
-            self.syncer.policy.leave(m, now)
+            self.syncer.leave(m, now)
             self.events("detected", learner=m)
         if late:
             self.roster()
@@ -603,7 +603,7 @@ class SyncerService:
 
     def account_uptime(self, now: float) -> None:
         """Called before every membership change: time with >= K live learners is up."""
-        self.attendance.change(now, len(self.syncer.policy.progress))
+        self.attendance.change(now, len(self.syncer.live))
 
     def evaluate(self) -> None:
         """Start an evaluation of the global model on the evaluator's thread (skipped and

@@ -117,18 +117,18 @@ class Observed(Protocol):
 
 def snapshot_of(svc: Observed, now: float) -> dict[str, Any]:
     """The service's state as plain data (call it on the service's thread)."""
-    policy, attendance = svc.syncer.policy, svc.attendance
+    live, attendance = svc.syncer.live, svc.attendance
     ledger = svc.ledger.summary()
     learners = []
     for m in sorted(set(svc.incarnations) | set(attendance.down_since)):
-        live = m in policy.progress
-        state = "up" if live else ("down" if m in attendance.down_since else "left")
+        up = m in live
+        state = "up" if up else ("down" if m in attendance.down_since else "left")
         heard = attendance.last_heard.get(m)
         learners.append(
             {
                 "learner": m,
                 "state": state,
-                "step": policy.progress.get(m),
+                "step": live.get(m),
                 "incarnation": str(svc.incarnations.get(m, "")),
                 "address": svc.addresses.get(m, ""),
                 "silent_seconds": None if heard is None else round(now - heard, 3),
@@ -140,7 +140,7 @@ def snapshot_of(svc: Observed, now: float) -> dict[str, Any]:
         "t": round(now, 3),
         "tokens": svc.tokens,
         "budget": svc.config.train.tokens,
-        "global_step": policy.global_step,
+        "global_step": svc.syncer.global_step,
         "rounds": svc.syncer.counts.get("merged_rounds", 0),
         "versions": list(svc.syncer.versions),
         "learners": learners,

@@ -56,10 +56,8 @@ import torch
 from ddiloco.runtime.processes.syncer.restore import record_of, restore
 
 # Re-exported for the damage tests, which forge files with them.
-from ddiloco.runtime.processes.syncer.store_format import _CRC as _CRC
-from ddiloco.runtime.processes.syncer.store_format import _HEAD as _HEAD
 from ddiloco.runtime.processes.syncer.store_format import (
-    _NAME,
+    FRAGMENT_FILE,
     MAGIC,
     MANIFEST,
     MANIFEST_FORMAT,
@@ -67,24 +65,24 @@ from ddiloco.runtime.processes.syncer.store_format import (
     FragmentRecord,
     Key,
     StoreError,
-    _canonical,
-    _check_manifest,
-    _fragment_chunks,
-    _fragment_of,
-    _pack,
-    _snapshot,
-    _unpack,
+    canonical,
+    check_manifest,
     fingerprint_of,
+    fragment_chunks,
+    fragment_of,
+    ledger_snapshot,
+    pack_state,
+    unpack_state,
 )
 from ddiloco.runtime.processes.syncer.store_journal import (
     JOURNAL_MAGIC,
     Journal,
-    _journal_chunks,
-    _journal_keep,
-    _scan_journal,
+    journal_chunks,
     journal_header,
+    journal_keep,
     recompute,
     replay_journal,
+    scan_journal,
 )
 
 __all__ = [
@@ -160,13 +158,13 @@ def _read(path: Path) -> tuple[dict[str, Any], list[torch.Tensor]]:
         data = path.read_bytes()
     except OSError as exc:
         raise _os_error(path, exc, "reading it") from exc
-    return _unpack(data, str(path))
+    return unpack_state(data, str(path))
 
 
 def _read_fragment(path: Path) -> tuple[FragmentRecord, int]:
     """One fragment file and its ledger snapshot's seq, every field checked."""
     header, tensors = _read(path)
-    return _fragment_of(header, tensors, str(path))
+    return fragment_of(header, tensors, str(path))
 
 
 class SyncerStore:
@@ -227,7 +225,7 @@ class SyncerStore:
             outer: dict[str, Any] = json.loads(self.manifest_path.read_bytes())
             body: dict[str, Any] = outer["manifest"]
             crc = outer["crc32"]
-            ok = crc == zlib.crc32(_canonical(body)) and isinstance(body, dict)
+            ok = crc == zlib.crc32(canonical(body)) and isinstance(body, dict)
         except FileNotFoundError:
             return None
         except OSError as exc:
@@ -236,7 +234,7 @@ class SyncerStore:
             raise StoreError(where, type(exc).__name__, f"undecodable: {exc}") from None
         if not ok:
             raise StoreError(where, crc, "checksum mismatch: the manifest is damaged")
-        _check_manifest(body, where)
+        check_manifest(body, where)
         theirs, count = body.get("fingerprint"), body.get("fragments")
         if self.fingerprint is not None and theirs != self.fingerprint:
             raise StoreError(
@@ -256,7 +254,7 @@ class SyncerStore:
         return body
 
     def _write_manifest(self, body: dict[str, Any]) -> None:
-        manifest = {"crc32": zlib.crc32(_canonical(body)), "manifest": body}
+        manifest = {"crc32": zlib.crc32(canonical(body)), "manifest": body}
         write_atomic(self.manifest_path, json.dumps(manifest, sort_keys=True, indent=1).encode())
         self._manifest = body
 
@@ -265,7 +263,8 @@ class SyncerStore:
         strays = sorted(
             e.name
             for e in os.scandir(self.dir)
-            if _NAME.fullmatch(e.name) or e.name in (self.ledger_path.name, self.journal_path.name)
+            if FRAGMENT_FILE.fullmatch(e.name)
+            or e.name in (self.ledger_path.name, self.journal_path.name)
         )
         if strays:
             raise StoreError(
@@ -322,7 +321,7 @@ class SyncerStore:
         if first:  # announced before it exists, listed once it does (see the module doc)
             self._write_manifest({**self._settled(manifest), "pending": path.name})
         seq = self.seq + (record.ledger is not None)
-        write_atomic(path, _fragment_chunks(record, seq))
+        write_atomic(path, fragment_chunks(record, seq))
         self.seq = seq
         self.writes += 1
         if first:
@@ -331,14 +330,16 @@ class SyncerStore:
     def save_ledger(self, state: dict[str, Any]) -> None:
         """A ledger snapshot between merges (every merge it counts is already durable)."""
         self._opened()
-        write_atomic(self.ledger_path, _pack({"ledger": {"seq": self.seq + 1, "state": state}}, []))
+        write_atomic(
+            self.ledger_path, pack_state({"ledger": {"seq": self.seq + 1, "state": state}}, [])
+        )
         self.seq += 1
 
     def append_journal(self, header: dict[str, Any], payloads: list[bytes]) -> None:
         """One merge's inputs: a length-prefixed, checksummed record, fsynced. A failed
         append (a full disk) is cut back, so it is not mistaken for damage later."""
         self._opened()
-        record = _journal_chunks(header, payloads)
+        record = journal_chunks(header, payloads)
         path, created = self.journal_path, not self.journal_path.exists()
         try:
             fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
@@ -389,7 +390,9 @@ class SyncerStore:
         records, latest, problems = self._fragments(settled)
         if self.ledger_path.exists():
             try:
-                snap = _snapshot(_read(self.ledger_path)[0].get("ledger"), str(self.ledger_path))
+                snap = ledger_snapshot(
+                    _read(self.ledger_path)[0].get("ledger"), str(self.ledger_path)
+                )
                 if snap is None:
                     raise StoreError(str(self.ledger_path), None, "no ledger snapshot in it")
                 if snap["seq"] > latest[0]:
@@ -426,7 +429,7 @@ class SyncerStore:
         count = manifest["fragments"]
         for name in sorted(listed | present):
             path = self.dir / name
-            match = _NAME.fullmatch(name)
+            match = FRAGMENT_FILE.fullmatch(name)
             p = int(match[1]) if match else -1
             if match is None or self.fragment_path(p).name != name:
                 problems.append(f"{path}: not a fragment file name this store writes")
@@ -462,14 +465,14 @@ class SyncerStore:
 
     def _scan(self, data: bytes) -> tuple[Journal, str | None]:
         """The journal's records and, if it ends in a torn one, why; damage elsewhere raises."""
-        return _scan_journal(data, str(self.journal_path))
+        return scan_journal(data, str(self.journal_path))
 
     def _trim_journal(self, versions: dict[int, int], complete: bool) -> None:
         """Cut a torn tail, and merges whose fragment file was not written before a crash
         (they were never broadcast, so they never happened); with ``complete`` (the store
         keeps a journal) every durable merge must be in it, in order."""
         data = self.journal_path.read_bytes()
-        keep = _journal_keep(data, versions, complete, str(self.journal_path), self._note)
+        keep = journal_keep(data, versions, complete, str(self.journal_path), self._note)
         if keep != len(data):
             try:
                 with self.journal_path.open("r+b") as f:

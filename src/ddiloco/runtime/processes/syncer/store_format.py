@@ -34,10 +34,10 @@ MAGIC = b"DDSF"
 MANIFEST = "manifest.json"
 TICKETS_FILE = "tickets.bin"  # the connection tickets admitted (transport/tickets.py)
 MANIFEST_FORMAT = 1
-_HEAD = struct.Struct("<4sI")
-_CRC = struct.Struct("<I")
+HEAD = struct.Struct("<4sI")
+CRC = struct.Struct("<I")
 _FP32 = CodecSpec("fp32")
-_NAME = re.compile(r"fragment-(\d{4,})\.bin")
+FRAGMENT_FILE = re.compile(r"fragment-(\d{4,})\.bin")
 
 Key = tuple[int, int, int]
 
@@ -82,36 +82,36 @@ def fingerprint_of(setup: RunSetup) -> str:
 
 
 # -- fragment and ledger files ----------------------------------------------------------------
-def _pack(header: dict[str, Any], tensors: list[torch.Tensor]) -> bytes:
-    return b"".join(_pack_chunks(header, tensors))
+def pack_state(header: dict[str, Any], tensors: list[torch.Tensor]) -> bytes:
+    return b"".join(pack_state_chunks(header, tensors))
 
 
-def _pack_chunks(header: dict[str, Any], tensors: list[torch.Tensor]) -> Iterator[bytes]:
+def pack_state_chunks(header: dict[str, Any], tensors: list[torch.Tensor]) -> Iterator[bytes]:
     """A state file's bytes, one tensor at a time (the writer streams them: a fragment file
     was three fragment-sized copies in memory while written), its checksum last."""
     head: bytes = msgpack.packb(header, use_bin_type=True)
     crc = 0
     for chunk in itertools.chain(
-        [_HEAD.pack(MAGIC, len(head)) + head], encode_tensors_chunks(tensors, _FP32)
+        [HEAD.pack(MAGIC, len(head)) + head], encode_tensors_chunks(tensors, _FP32)
     ):
         crc = zlib.crc32(chunk, crc)
         yield chunk
-    yield _CRC.pack(crc)
+    yield CRC.pack(crc)
 
 
-def _unpack(data: bytes, where: str) -> tuple[dict[str, Any], list[torch.Tensor]]:
-    if len(data) < _HEAD.size + _CRC.size:
+def unpack_state(data: bytes, where: str) -> tuple[dict[str, Any], list[torch.Tensor]]:
+    if len(data) < HEAD.size + CRC.size:
         raise StoreError(where, len(data), "too short to be a syncer state file")
-    (crc,) = _CRC.unpack_from(data, len(data) - _CRC.size)
-    body = memoryview(data)[: len(data) - _CRC.size]
+    (crc,) = CRC.unpack_from(data, len(data) - CRC.size)
+    body = memoryview(data)[: len(data) - CRC.size]
     if zlib.crc32(body) != crc:
         raise StoreError(where, crc, "checksum mismatch: the file is damaged")
-    magic, head_len = _HEAD.unpack_from(body, 0)
+    magic, head_len = HEAD.unpack_from(body, 0)
     if magic != MAGIC:
         raise StoreError(where, bytes(magic), f"expected {MAGIC!r}")
     try:
-        header = msgpack.unpackb(body[_HEAD.size : _HEAD.size + head_len], raw=False)
-        tensors = decode_tensors(body[_HEAD.size + head_len :])
+        header = msgpack.unpackb(body[HEAD.size : HEAD.size + head_len], raw=False)
+        tensors = decode_tensors(body[HEAD.size + head_len :])
     except Exception as exc:  # msgpack's, the codec's: any of them means a damaged file
         raise StoreError(where, type(exc).__name__, f"undecodable: {exc}") from None
     if not isinstance(header, dict):
@@ -119,13 +119,13 @@ def _unpack(data: bytes, where: str) -> tuple[dict[str, Any], list[torch.Tensor]
     return header, tensors
 
 
-def _snapshot(value: Any, where: str) -> dict[str, Any] | None:
+def ledger_snapshot(value: Any, where: str) -> dict[str, Any] | None:
     if value is not None and not (isinstance(value, dict) and type(value.get("seq")) is int):
         raise StoreError(where, "ledger", "malformed ledger snapshot")
     return value
 
 
-def _fragment_chunks(record: FragmentRecord, seq: int) -> Iterator[bytes]:
+def fragment_chunks(record: FragmentRecord, seq: int) -> Iterator[bytes]:
     """Fragment ``record.fragment``'s file; its ledger snapshot, if any, numbered ``seq``."""
     outer_meta, outer_tensors = _split_outer(record.outer)
     header = {
@@ -143,10 +143,10 @@ def _fragment_chunks(record: FragmentRecord, seq: int) -> Iterator[bytes]:
     if record.ledger is not None:
         header["ledger"] = {"seq": seq, "state": record.ledger}
     tensors = [t.detach().float() for t in record.values] + outer_tensors
-    return _pack_chunks(header, tensors)
+    return pack_state_chunks(header, tensors)
 
 
-def _fragment_of(
+def fragment_of(
     header: dict[str, Any], tensors: list[torch.Tensor], where: str
 ) -> tuple[FragmentRecord, int]:
     """A fragment file's unpacked content as its record and its ledger snapshot's seq, every
@@ -155,7 +155,7 @@ def _fragment_of(
         count, meta = header["count"], header["outer"]
         if count + sum(item.get("tensors", 0) for item in meta.values()) != len(tensors):
             raise ValueError(f"{len(tensors)} tensors do not match the header")
-        snapshot = _snapshot(header.get("ledger"), where) or {"seq": 0, "state": None}
+        snapshot = ledger_snapshot(header.get("ledger"), where) or {"seq": 0, "state": None}
         return FragmentRecord(
             fragment=int(header["fragment"]),
             version=int(header["version"]),
@@ -201,12 +201,12 @@ def _join_outer(meta: dict[str, Any], tensors: list[torch.Tensor]) -> dict[str, 
 
 
 # -- the manifest -----------------------------------------------------------------------------
-def _canonical(body: dict[str, Any]) -> bytes:
+def canonical(body: dict[str, Any]) -> bytes:
     """The bytes the manifest's crc32 covers."""
     return json.dumps(body, sort_keys=True).encode()
 
 
-def _check_manifest(body: dict[str, Any], where: str) -> None:
+def check_manifest(body: dict[str, Any], where: str) -> None:
     """A checksummed manifest body's format and fields, before it is compared with the run."""
     if body.get("format") != MANIFEST_FORMAT:
         raise StoreError(where, body.get("format"), f"this build reads format {MANIFEST_FORMAT}")
@@ -216,7 +216,7 @@ def _check_manifest(body: dict[str, Any], where: str) -> None:
         isinstance(names, list)
         and (pending is None or isinstance(pending, str))
         and all(
-            isinstance(n, str) and _NAME.fullmatch(n)
+            isinstance(n, str) and FRAGMENT_FILE.fullmatch(n)
             for n in [*names, pending or "fragment-0000.bin"]
         )
         and isinstance(body.get("journal"), bool)

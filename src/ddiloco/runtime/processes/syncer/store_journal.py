@@ -30,7 +30,7 @@ from ddiloco.core.merge import tensor_norms, token_weight
 from ddiloco.core.outer import make_outer_optimizer
 from ddiloco.core.robust import scaled
 from ddiloco.core.syncer_state import MergeResult, SyncerConfig, merge_step
-from ddiloco.runtime.processes.syncer.store_format import _CRC, _HEAD, Key, StoreError
+from ddiloco.runtime.processes.syncer.store_format import CRC, HEAD, Key, StoreError
 from ddiloco.runtime.run import RunSetup
 
 
@@ -54,42 +54,42 @@ class _Damaged(Exception):
     """A journal record no kill could have produced."""
 
 
-def _journal_chunks(header: dict[str, Any], payloads: list[bytes]) -> list[bytes]:
+def journal_chunks(header: dict[str, Any], payloads: list[bytes]) -> list[bytes]:
     """One merge's record: its header (with the payloads' sizes) and payloads, checksummed;
     as chunks, the payloads themselves among them (joined, they were one more copy of a
     round's answers)."""
     sizes = [len(p) for p in payloads]
     head: bytes = msgpack.packb({**header, "payloads": sizes}, use_bin_type=True)
-    first = _HEAD.pack(JOURNAL_MAGIC, len(head)) + head
+    first = HEAD.pack(JOURNAL_MAGIC, len(head)) + head
     crc = zlib.crc32(first)
     for p in payloads:
         crc = zlib.crc32(p, crc)
     length = len(first) + sum(sizes)
-    return [_LEN.pack(length) + first, *payloads, _CRC.pack(crc)]
+    return [_LEN.pack(length) + first, *payloads, CRC.pack(crc)]
 
 
 def _journal_body(body: bytes, n: int) -> tuple[dict[str, Any] | None, list[bytes]]:
     """A journal record's body, or the prefix of one a kill left: (header, payloads), the
     header None while incomplete. Raises _Damaged if no prefix of a record looks like it."""
-    if len(body) < _HEAD.size:
+    if len(body) < HEAD.size:
         if len(body) >= n:
             raise _Damaged(f"a {n}-byte record, too short for a header")
         return None, []
-    magic, head_len = _HEAD.unpack_from(body, 0)
+    magic, head_len = HEAD.unpack_from(body, 0)
     if magic != JOURNAL_MAGIC:
         raise _Damaged(f"bad magic {bytes(magic)!r}")
-    if _HEAD.size + head_len > n:
+    if HEAD.size + head_len > n:
         raise _Damaged(f"a {head_len}-byte header in a {n}-byte record")
-    if len(body) < _HEAD.size + head_len:
+    if len(body) < HEAD.size + head_len:
         return None, []
     try:
-        header = msgpack.unpackb(body[_HEAD.size : _HEAD.size + head_len], raw=False)
+        header = msgpack.unpackb(body[HEAD.size : HEAD.size + head_len], raw=False)
         sizes = [int(s) for s in header["payloads"]]
     except Exception as exc:
         raise _Damaged(f"an undecodable header ({exc})") from None
-    if _HEAD.size + head_len + sum(sizes) != n:
+    if HEAD.size + head_len + sum(sizes) != n:
         raise _Damaged(f"a length field of {n} bytes that its header contradicts")
-    payloads, at = [], _HEAD.size + head_len
+    payloads, at = [], HEAD.size + head_len
     for size in sizes:
         payloads.append(body[at : at + size])
         at += size
@@ -104,8 +104,8 @@ def _journal_record(data: bytes, pos: int) -> tuple[int, dict[str, Any], list[by
     if left < _LEN.size:
         raise _Torn(f"an incomplete length field ({left} bytes)")
     (n,) = _LEN.unpack_from(data, pos)
-    end = pos + _LEN.size + n + _CRC.size
-    body = data[pos + _LEN.size : min(end - _CRC.size, len(data))]
+    end = pos + _LEN.size + n + CRC.size
+    body = data[pos + _LEN.size : min(end - CRC.size, len(data))]
     try:
         header, payloads = _journal_body(body, n)
     except _Damaged:
@@ -114,7 +114,7 @@ def _journal_record(data: bytes, pos: int) -> tuple[int, dict[str, Any], list[by
         raise
     if end > len(data):
         raise _Torn(f"a record cut short ({left} of {end - pos} bytes)")
-    (crc,) = _CRC.unpack_from(data, end - _CRC.size)
+    (crc,) = CRC.unpack_from(data, end - CRC.size)
     if zlib.crc32(body) != crc:
         if end == len(data):
             raise _Torn("a checksum mismatch on the last record")
@@ -124,7 +124,7 @@ def _journal_record(data: bytes, pos: int) -> tuple[int, dict[str, Any], list[by
     return end, header, payloads
 
 
-def _scan_journal(data: bytes, where: str) -> tuple[Journal, str | None]:
+def scan_journal(data: bytes, where: str) -> tuple[Journal, str | None]:
     """The journal's records and, if it ends in a torn one, why; damage elsewhere raises
     StoreError naming ``where`` (the journal file)."""
     records: Journal = []
@@ -142,14 +142,14 @@ def _scan_journal(data: bytes, where: str) -> tuple[Journal, str | None]:
     return records, None
 
 
-def _journal_keep(
+def journal_keep(
     data: bytes, versions: dict[int, int], complete: bool, where: str, note: Callable[[str], None]
 ) -> int:
     """How many bytes of the journal ``data`` (file ``where``) to keep: a torn tail is cut,
     and so are merges newer than the durable ``versions`` (their fragment file was not written
     before a crash: never broadcast, so they never happened); each cut is ``note``d. With
     ``complete`` (the store keeps a journal) every durable merge must be in it, in order."""
-    records, torn = _scan_journal(data, where)
+    records, torn = scan_journal(data, where)
     keep = records[-1][1] if records else 0
     if torn is not None:
         note(

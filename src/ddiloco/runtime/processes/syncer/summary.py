@@ -46,7 +46,7 @@ def service_summary(svc: Summarised, final: float, now: float) -> dict[str, Any]
     the run's step time."""
     ledger = svc.ledger.summary()
     down = svc.attendance.down_total(now)
-    step = svc.syncer.policy.step_time.value or 1.0
+    step = svc.syncer.step_seconds or 1.0
     per_step = svc.setup.tokens_per_step
     lost_capacity = down / step * per_step
     wasted: dict[str, float] = ledger["tokens_wasted"]  # type: ignore[assignment]
