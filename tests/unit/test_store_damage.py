@@ -9,6 +9,7 @@ from __future__ import annotations
 import errno
 import os
 import stat
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 
@@ -17,6 +18,7 @@ import torch
 
 from ddiloco.config import load_config
 from ddiloco.runtime.processes.syncer import store as store_mod
+from ddiloco.runtime.processes.syncer import store_format
 from ddiloco.runtime.processes.syncer.store import (
     FragmentRecord,
     StoreError,
@@ -130,8 +132,8 @@ def test_a_truncated_or_undecodable_fragment_file_is_refused(tmp_path):
     path = tmp_path / "fragment-0002.bin"
     path.write_bytes(path.read_bytes()[:5])
     refused(tmp_path, str(path), "too short")
-    body = store_mod._HEAD.pack(store_mod.MAGIC, 3) + b"\xc1\xc1\xc1"  # 0xc1: never msgpack
-    path.write_bytes(body + store_mod._CRC.pack(store_mod.zlib.crc32(body)))
+    body = store_format.HEAD.pack(store_format.MAGIC, 3) + b"\xc1\xc1\xc1"  # 0xc1: never msgpack
+    path.write_bytes(body + store_format.CRC.pack(zlib.crc32(body)))
     refused(tmp_path, str(path), "undecodable")
 
 

@@ -147,6 +147,16 @@ def merge_step(
     return norm
 
 
+@dataclass
+class Held:
+    """An accepted answer waiting for its merge: its delta, its tensors' norms (computed
+    once, on arrival) and, under robust merging, its pace (norm / sqrt(credited steps))."""
+
+    delta: list[torch.Tensor]
+    norms: list[float]
+    pace: float | None = None
+
+
 class SyncerState:
     """The syncer's pure state machine."""
 
@@ -184,9 +194,7 @@ class SyncerState:
             make_outer_optimizer(config.outer) for _ in range(plan.num_fragments)
         ]
         self.ledger = ledger
-        self.updates: dict[tuple[int, int, int], list[torch.Tensor]] = {}
-        self.norms: dict[tuple[int, int, int], list[float]] = {}  # computed on arrival
-        self.paces: dict[tuple[int, int, int], float] = {}  # norm / sqrt(credited steps)
+        self.held: dict[tuple[int, int, int], Held] = {}  # accepted answers, until merged
         largest = max(sum(t.numel() for t in frag) for frag in self.fragments)
         self._workspace = torch.empty(largest, dtype=torch.float32)  # reused by every merge
         self.counts: dict[str, int] = {}
@@ -222,6 +230,10 @@ class SyncerState:
     def open_rounds(self) -> Mapping[int, Round]:
         """Fragment -> its open round (read-only)."""
         return MappingProxyType(self._policy.open)
+
+    def is_held(self, key: tuple[int, int, int]) -> bool:
+        """Whether the answer ``key`` waits for a merge (accepted, not merged or dropped)."""
+        return key in self.held
 
     def has_seen(self, key: tuple[int, int, int]) -> bool:
         """Whether the answer ``key`` came before (merged, held or dropped): a re-push."""
@@ -298,10 +310,8 @@ class SyncerState:
         verdict = self._policy.on_answer(meta, now)
         self._count(verdict.value)
         if verdict in (Verdict.ACCEPTED, Verdict.WAITING):
-            self.updates[meta.key] = list(delta)
-            self.norms[meta.key] = norms if norms is not None else tensor_norms(delta)
-            if norms is not None:
-                self.paces[meta.key] = rate
+            computed = norms if norms is not None else tensor_norms(delta)
+            self.held[meta.key] = Held(list(delta), computed, rate if norms is not None else None)
         elif verdict is not Verdict.DUPLICATE and self.ledger is not None:
             self.ledger.wasted_answer(meta.key, verdict.value)
         self._apply_events()
@@ -349,16 +359,12 @@ class SyncerState:
     def _apply_events(self) -> None:
         for event in self._policy.take_events():
             if isinstance(event, Supersession):
-                self.updates.pop(event.old, None)
-                self.norms.pop(event.old, None)
-                self.paces.pop(event.old, None)
+                self.held.pop(event.old, None)
                 self._count("superseded")
                 if self.ledger is not None:
                     self.ledger.superseded(event.old, event.new)
             elif isinstance(event, Dropped):
-                self.updates.pop(event.answer.key, None)
-                self.norms.pop(event.answer.key, None)
-                self.paces.pop(event.answer.key, None)
+                self.held.pop(event.answer.key, None)
                 self._count(event.verdict.value)
                 if self.ledger is not None:
                     self.ledger.wasted_answer(event.answer.key, event.verdict.value)
@@ -380,11 +386,12 @@ class SyncerState:
     def _merge(self, closed: ClosedRound) -> MergeResult:
         p = closed.fragment
         weights = [token_weight(a.c_tokens, a.c_steps) for a in closed.answers]
-        deltas = [self.updates.pop(a.key) for a in closed.answers]
-        norms = [self.norms.pop(a.key) for a in closed.answers]
+        held = [self.held.pop(a.key) for a in closed.answers]
+        deltas = [h.delta for h in held]
+        norms = [h.norms for h in held]
         scales = [1.0] * len(deltas)
         if self.config.robust.enabled:
-            scales = self._clip(p, closed, weights, deltas, norms)
+            scales = self._clip(p, closed, weights, deltas, norms, [h.pace for h in held])
         per_learner: dict[int, float] = {}
         for a, w in zip(closed.answers, weights, strict=True):
             per_learner[a.learner] = per_learner.get(a.learner, 0.0) + w
@@ -432,13 +439,15 @@ class SyncerState:
         weights: Sequence[float],
         deltas: list[list[torch.Tensor]],
         norms: list[list[float]],
+        paces: list[float | None],
     ) -> list[float]:
         """Scale the round's too-fast answers down in place of ``deltas``/``norms``
         (robust.clip_scales), then add the round's paces to the fragment's window."""
         window = self.norm_windows[p]
         learners = [a.learner for a in closed.answers]
-        paces = [self.paces.pop(a.key) for a in closed.answers]
-        scales, added = clip_scales(self.config.robust, paces, learners, weights, window)
+        assert all(x is not None for x in paces), "robust merging measured every answer's pace"
+        known = [x for x in paces if x is not None]
+        scales, added = clip_scales(self.config.robust, known, learners, weights, window)
         for i, s in enumerate(scales):
             if s < 1.0:
                 deltas[i] = scaled(deltas[i], s)

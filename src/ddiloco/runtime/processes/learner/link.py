@@ -278,7 +278,9 @@ class SyncerLink(threading.Thread):
                 break
             self.failed_handshakes += self.watch.failures
             self.watch.failures = 0
-            if self.watch.renew:  # its one-time ticket is spent: zmq must not reuse it
+            if self.watch.renew and self.state is LinkState.STOPPED:
+                self.watch.renew = False  # the run is over: the syncer closed, as it should
+            elif self.watch.renew:  # its one-time ticket is spent: zmq must not reuse it
                 self._reconnect("the connection to the syncer closed")
             if self.sock.poll(20):
                 while True:

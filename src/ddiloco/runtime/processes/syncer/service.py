@@ -424,10 +424,18 @@ class SyncerService:
         self.conn.beats = {m: m in live for m in self.incarnations}
 
     def on_inline(self, m: int, meta: dict[str, Any], _: memoryview) -> None:
-        """Learner ``m`` cannot read our shared-memory slots: send it payloads inline."""
-        if m not in self.conn.inline:
-            log.warning("syncer: learner %d sees another /dev/shm; sending it frames inline", m)
+        """Learner ``m`` cannot read our shared-memory slots: send it payloads inline, the
+        merged fragments first (the broadcast it could not read was one of them: without it
+        the learner would answer on an old base until a dropped answer made us resend)."""
+        if m in self.conn.inline:
+            return
+        log.warning("syncer: learner %d sees another /dev/shm; sending it frames inline", m)
         self.conn.inline.add(m)
+        for p, version in enumerate(self.syncer.versions):
+            if version > 0:  # (a throttled resend may have gone to the slots: not counted)
+                self.resent.ready((m, p))
+                self.counts["resent_fragment"] += 1
+                self.send_fragment([m], p, version, self.syncer.fragments[p], [])
 
     def on_peers(self, m: int, meta: dict[str, Any], _: memoryview) -> None:
         """The live learners' recovery addresses, the furthest trained first (the learner
@@ -560,7 +568,7 @@ class SyncerService:
             )
             self.events(**result.record(nbytes), tokens=self.tokens)  # (trained, as reported)
         if self.payloads:
-            for key in [k for k in self.payloads if k not in self.syncer.updates]:
+            for key in [k for k in self.payloads if not self.syncer.is_held(k)]:
                 del self.payloads[key]  # superseded or dropped: never merged
 
     def persist(self, result: MergeResult) -> None:
