@@ -10,6 +10,7 @@ import time
 from test_liveness import linked  # noqa: F401  (the fixture: a syncer socket, a LIVE link)
 
 from ddiloco.core.codec import CodecSpec
+from ddiloco.runtime.processes import protocol
 from ddiloco.runtime.processes.launcher.fragments import free_port
 from ddiloco.runtime.processes.learner.link import (
     INVALID_RESYNC,
@@ -55,7 +56,7 @@ def test_a_restarted_syncer_is_reached_with_a_fresh_ticket(tmp_path):
         beat_seconds=0.25,
     )
     link.start()
-    link.register({"inc": link.wire.session, "step": 0, "versions": [0], "peer": ""})
+    link.register(protocol.Hello(link.wire.session, 0, [0]))
     restarted = None
     try:
         assert hellos(conn, 10.0, enough=1) == 1 and conn.gate.counts["accepted"] == 1

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from ddiloco.core.codec import CodecSpec
+from ddiloco.runtime.processes import protocol
 from ddiloco.runtime.processes.launcher.fragments import free_port
 from ddiloco.runtime.processes.learner.link import LinkState, SyncerLink
 from ddiloco.runtime.processes.syncer.connections import BEAT_SECONDS, Connections, Incoming
@@ -53,7 +54,7 @@ def linked() -> Iterator[tuple[Connections, SyncerLink]]:
         beat_seconds=LEARNER_BEAT,
     )
     link.start()
-    link.register({"inc": wire.session, "step": 0, "versions": [0], "peer": ""})
+    link.register(protocol.Hello(wire.session, 0, [0]))
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline and link.state is not LinkState.LIVE:
         if conn.poll(0.05):
@@ -111,6 +112,6 @@ def test_a_link_told_to_stop_takes_the_syncers_silence_as_the_end_not_a_failure(
     conn.beats = {}  # the syncer closes once the run is over; the learner finishes its step
     time.sleep(1.5 + 1.0)
     assert link.reconnects == 0 and link.state is LinkState.STOPPED
-    link.register({"inc": 1, "step": 0, "versions": [0], "peer": ""})  # final: no hello
+    link.register(protocol.Hello(1, 0, [0]))  # final: no hello
     time.sleep(0.2)
     assert link.state is LinkState.STOPPED

@@ -4,6 +4,7 @@ learner holding the secret, is refused and counted, never an exception out of th
 from __future__ import annotations
 
 import io
+import json
 import math
 import time
 
@@ -14,7 +15,7 @@ from hypothesis import strategies as st
 from ddiloco.config import load_config
 from ddiloco.runtime.processes.launcher.fragments import free_port
 from ddiloco.runtime.processes.syncer.service import SyncerService
-from ddiloco.runtime.processes.transport.events import Events
+from ddiloco.runtime.processes.transport.events import EVENT_PREFIX, Events
 from ddiloco.runtime.run import RunSetup
 
 FIELDS = [
@@ -37,6 +38,7 @@ FIELDS = [
     "c_steps",
     "c_tokens",
     "key",
+    "why",
 ]
 SCALARS = st.one_of(
     st.none(),
@@ -127,7 +129,7 @@ def test_peers_are_the_learners_that_trained_the_furthest_first(service, monkeyp
     # to copy a peer; each must try the one that trained first, the other copier last (it is
     # copying too and does not answer: a 10-s timeout each, seen by hand)
     sent: list[tuple[int, str, dict]] = []
-    monkeypatch.setattr(service, "send", lambda m, kind, meta=None: sent.append((m, kind, meta)))
+    monkeypatch.setattr(service, "send", lambda m, msg, **_: sent.append((m, msg.KIND, msg.meta())))
     for m, step in {0: 0, 1: 0, 2: 7, 3: 12}.items():
         service.syncer.join(m, step)
     monkeypatch.setattr(service, "addresses", {m: f"127.0.0.1:{4000 + m}" for m in range(4)})
@@ -136,3 +138,14 @@ def test_peers_are_the_learners_that_trained_the_furthest_first(service, monkeyp
     assert sent[0][:2] == (0, "peers") and sent[0][2]["peers"]["3"] == "127.0.0.1:4003"
     assert list(sent[0][2]["peers"]) == ["3", "2", "1"]  # the order the learner tries them in
     assert list(sent[1][2]["peers"]) == ["2", "0", "1"]  # (ties: by id)
+
+
+def test_a_goodbye_says_why_in_the_left_event(service):
+    # the typed Bye of docs/extending.md's recipe: its reason reaches the syncer's events
+    service.conn.sessions[1] = 9
+    service.dispatch(1, "hello", {"inc": 9, "step": 0, "versions": [0, 0]}, memoryview(b""))
+    service.dispatch(1, "bye", {"why": "SIGTERM"}, memoryview(b""))
+    out = service.events.stream.getvalue().splitlines()
+    lines = [json.loads(line.removeprefix(EVENT_PREFIX)) for line in out]
+    assert {"kind": "left", "learner": 1, "why": "SIGTERM"}.items() <= lines[-1].items()
+    assert 1 not in service.syncer.live

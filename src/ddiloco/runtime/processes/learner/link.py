@@ -23,8 +23,11 @@ it back to HELLO), STOPPED (the syncer said ``stop``: the run is over, and the s
 its socket while this learner finishes its step; its silence then is no reason to reconnect),
 FAILED (the learner must stop; :attr:`SyncerLink.fatal` says why). STOPPED and FAILED are
 final. The
-training thread hands it typed messages (:class:`Progress`, :class:`Push`, :class:`Hello`,
-:class:`Bye`, :class:`AskPeers`) through one queue, so their order is kept.
+training thread hands it the protocol's messages (``protocol.Progress``, ``Hello``, ``Bye``,
+``AskPeers``; an answer as a :class:`Push`, encoded here) through one queue, so their order is
+kept. What the syncer sends is parsed into its message class (every field checked: a
+malformed one is dropped, counted and said) and handed to its entry in
+:attr:`SyncerLink.handlers`.
 
 It never trains alone in silence: a syncer that refuses its credentials (wrong secret or run
 id), or one that has not answered for ``give_up_seconds``, sets :attr:`SyncerLink.fatal` to
@@ -39,6 +42,7 @@ import os
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any, assert_never
@@ -47,11 +51,15 @@ import zmq
 
 from ddiloco.core.codec import CodecSpec, encode_tensors
 from ddiloco.core.learner_state import Answer
+from ddiloco.errors import DDiLoCoError
+from ddiloco.runtime.processes import protocol
 from ddiloco.runtime.processes.transport.auth import HandshakeWatch, present
+from ddiloco.runtime.processes.transport.ratelog import RateLimitedLog
 from ddiloco.runtime.processes.transport.sockets import Backoff, Socket, configure
 from ddiloco.runtime.processes.transport.wire import (
     FLAG_SHM,
     PREFIX,
+    Header,
     Part,
     Wire,
     WireError,
@@ -69,10 +77,6 @@ INVALID_RESYNC = 8  # answers refused as invalid in a row before the link regist
 INVALID_RESYNCS = 3  # ... and registrations that did not help before the learner stops
 
 
-def _why(meta: dict[str, Any]) -> str:
-    return str(meta.get("why", "the syncer"))[:200]
-
-
 class LinkState(Enum):
     UNREGISTERED = "unregistered"
     HELLO = "hello"
@@ -82,55 +86,16 @@ class LinkState(Enum):
 
 
 @dataclass(frozen=True)
-class Progress:
-    """A progress report's metadata (step, tokens, seconds, fragments rebased)."""
-
-    meta: dict[str, Any]
-
-
-@dataclass(frozen=True)
 class Push:
     """An answer to encode, send, and keep until the syncer acknowledges it."""
 
     answer: Answer
 
 
-@dataclass(frozen=True)
-class Hello:
-    """Register (again): say hello until welcomed."""
-
-
-@dataclass(frozen=True)
-class Bye:
-    """A clean leave."""
-
-
-@dataclass(frozen=True)
-class AskPeers:
-    """Ask the syncer for the live peers' recovery addresses."""
-
-
-Outgoing = Progress | Push | Hello | Bye | AskPeers
-
-
-@dataclass(frozen=True)
-class Peers:
-    """The syncer's answer to :class:`AskPeers`: the live peers' recovery addresses (the
-    furthest trained first) and the syncer's fragment versions (None: it did not say), the
-    most any honest peer's snapshot can hold."""
-
-    addresses: dict[str, str]
-    versions: list[int] | None = None
-
-
-def _peers_of(meta: dict[str, Any]) -> Peers:
-    addresses, versions = meta.get("peers"), meta.get("versions")
-    if not isinstance(addresses, dict):
-        addresses = {}
-    addresses = {str(k): str(v) for k, v in addresses.items()}
-    if not (isinstance(versions, list) and all(type(v) is int for v in versions)):
-        versions = None
-    return Peers(addresses, versions)
+# what the training thread hands the link, in order: the protocol's messages but an answer
+# (its delta is encoded here, on the link's thread); a Hello says hello (again) until welcomed
+Outgoing = protocol.Progress | Push | protocol.Hello | protocol.Bye | protocol.AskPeers
+Peers = protocol.Peers
 
 
 class SyncerLink(threading.Thread):
@@ -168,12 +133,12 @@ class SyncerLink(threading.Thread):
         self._lock = threading.Lock()
         self._asks: dict[int, int] = {}
         self._inbox: dict[int, tuple[int, list[Any]]] = {}
-        self.pending: dict[Key, tuple[dict[str, Any], bytes]] = {}
+        self.pending: dict[Key, tuple[protocol.Answer, bytes]] = {}  # until acknowledged
         self.sent_to: dict[Key, int | None] = {}  # the syncer session an answer went to
         self.slots: dict[Key, bytes] = {}  # shared-memory reference of each pending answer
-        self.status: dict[str, Any] = {}  # what a hello says; replaced by the training thread
+        self.status: protocol.Hello | None = None  # what a hello says (training thread's)
         self.state = LinkState.UNREGISTERED
-        self.welcome: dict[str, Any] | None = None
+        self.welcome: protocol.Welcome | None = None
         self.welcomed = threading.Event()  # set in LIVE, STOPPED, FAILED: whoever waits, wakes
         self.stopped = threading.Event()  # set in STOPPED
         self.asked_to_leave = threading.Event()
@@ -186,7 +151,7 @@ class SyncerLink(threading.Thread):
         self.invalid_in_a_row = 0  # answers the syncer refused as invalid since one was not
         self.resyncs = 0  # registrations for that reason since an answer was not refused
         self.next_hello = 0.0
-        self.carry: dict[str, Any] | None = None  # progress not yet delivered
+        self.carry: protocol.Progress | None = None  # progress not yet delivered
         # this life's running totals (tokens reported, rebases per fragment), stamped on every
         # report and answer: the syncer counts a lost report from the next message
         self.total_tokens = 0
@@ -198,20 +163,38 @@ class SyncerLink(threading.Thread):
         self.last_rx = time.monotonic()
         self.last_tx = time.monotonic()
         self.longest_gap = 0.0  # the longest this thread went without a turn (GIL, CPU)
+        self.say = RateLimitedLog(log)
+        # the syncer's messages, by kind, and who handles each (docs/extending.md); a kind
+        # not here is ignored, as an older learner does (a challenge is answered first)
+        self.handlers: dict[str, Callable[[Any, Header, memoryview], None]] = {
+            "challenge": lambda *_: None,
+            "ask": self._on_ask,
+            "fragment": self._on_fragment,
+            "verdict": self._on_verdict,
+            "welcome": self._on_welcome,
+            "rehello": lambda *_: self._rehello(),
+            "beat": self._on_beat,
+            "peers": lambda peers, *_: self._peers.put(peers),
+            "stop": lambda *_: self._enter(LinkState.STOPPED),
+            "leave": self._on_leave,
+            "kill": self._on_kill,
+            "refused": self._on_refused,
+            "no_shm": self._on_no_shm,
+        }
 
     # -- the training thread's side (never blocks) ----------------------------------------
-    def progress(self, meta: dict[str, Any]) -> None:
-        self.outbox.put(Progress(meta))
+    def progress(self, report: protocol.Progress) -> None:
+        self.outbox.put(report)
 
     def push(self, answer: Answer) -> None:
         self.outbox.put(Push(answer))
 
-    def register(self, status: dict[str, Any]) -> None:
-        self.status = status
-        self.outbox.put(Hello())
+    def register(self, hello: protocol.Hello) -> None:
+        self.status = hello
+        self.outbox.put(hello)
 
-    def bye(self) -> None:
-        self.outbox.put(Bye())
+    def bye(self, why: str) -> None:
+        self.outbox.put(protocol.Bye(why))
 
     def take_asks(self) -> dict[int, int]:
         with self._lock:
@@ -231,13 +214,13 @@ class SyncerLink(threading.Thread):
         self._asking_peers.set()
         try:
             while time.monotonic() < deadline and self.fatal is None:
-                self.outbox.put(AskPeers())
+                self.outbox.put(protocol.AskPeers())
                 try:  # (an ask before the link is up is lost; one to no syncer session is
                     # answered with a rehello, and asked again at once: see _handle)
                     return self._peers.get(timeout=0.25)
                 except queue.Empty:
                     continue
-            return Peers({})
+            return protocol.Peers({})
         finally:
             self._asking_peers.clear()
 
@@ -296,7 +279,9 @@ class SyncerLink(threading.Thread):
             elif self.state is LinkState.LIVE and now - self.last_rx > self.silence:
                 self._reconnect(f"syncer silent for {now - self.last_rx:.1f}s")
             elif self.state is LinkState.LIVE and now - self.last_tx > self.beat:
-                self._send("beat")  # alive mid-step, mid-evaluation: whatever training does
+                self._send(
+                    protocol.Beat()
+                )  # alive mid-step, mid-evaluation: whatever training does
             if self.state is LinkState.HELLO:
                 if now - self.last_welcome > self.give_up:
                     failed = self.failed_handshakes
@@ -370,13 +355,18 @@ class SyncerLink(threading.Thread):
         self.next_hello = time.monotonic() + self.backoff.next_delay()
 
     def _hello(self) -> None:
-        self._send("hello", meta=self.status)
+        if self.status is not None:
+            self._send(self.status)
         self.next_hello = time.monotonic() + self.backoff.next_delay()
 
-    def _send(self, kind: str, **kw: Any) -> list[Part] | None:
-        """Encode and send one frame; its parts, or None if zmq could not take it."""
+    def _send(self, message: protocol.Message, **kw: Any) -> list[Part] | None:
+        """Encode and send one frame (``kw``: the header's fragment and round, the payload);
+        its parts, or None if zmq could not take it."""
         assert self.sock is not None
-        parts = self.wire.encode(kind, learner=self.learner, to=self.syncer_session or 0, **kw)
+        to = self.syncer_session or 0
+        parts = self.wire.encode(
+            message.KIND, learner=self.learner, to=to, meta=message.meta(), **kw
+        )
         try:
             self.sock.send_multipart(parts, zmq.NOBLOCK, copy=False)
         except zmq.Again:
@@ -393,61 +383,58 @@ class SyncerLink(threading.Thread):
                 return
             if isinstance(item, Push):
                 self._answer(item.answer)
-            elif isinstance(item, Progress):
-                self._progress(item.meta)
-            elif isinstance(item, Hello):
+            elif isinstance(item, protocol.Progress):
+                self._progress(item)
+            elif isinstance(item, protocol.Hello):
                 if self.state in (LinkState.STOPPED, LinkState.FAILED):
                     continue  # final: the run is over, or this learner must stop
                 if self.state is not LinkState.LIVE:
                     self._enter(LinkState.HELLO)
                 self._hello()
-            elif isinstance(item, Bye):
-                self._send("bye")
-            elif isinstance(item, AskPeers):
-                self._send("peers")
+            elif isinstance(item, protocol.Bye | protocol.AskPeers):
+                self._send(item)
             else:  # a new Outgoing kind without its branch: mypy says so, and so does this
                 assert_never(item)
 
-    def _progress(self, meta: dict[str, Any]) -> None:
+    def _progress(self, report: protocol.Progress) -> None:
         """Send a progress report; while unregistered (or unsent), fold it into the next one,
         so the syncer's ledger sees every trained token and rebase, in order. It carries the
         life's running totals too (one sent and lost on the way is counted from the next)."""
-        self.total_tokens += meta["tokens"]
-        for p in set(meta["rebased"]):
+        self.total_tokens += report.tokens
+        for p in set(report.rebased):
             self.rebases[p] += 1
-        meta = {**meta, **self._totals()}
+        report = dataclasses.replace(report, totals=self._totals())
         if self.carry is not None:
-            meta = {
-                **meta,
-                "tokens": self.carry["tokens"] + meta["tokens"],
-                "rebased": sorted({*self.carry["rebased"], *meta["rebased"]}),
-            }
+            report = dataclasses.replace(
+                report,
+                tokens=self.carry.tokens + report.tokens,
+                rebased=sorted({*self.carry.rebased, *report.rebased}),
+            )
             self.carry = None
-        if not (self.state is LinkState.LIVE and self._send("progress", meta=meta) is not None):
-            self.carry = meta
+        if not (self.state is LinkState.LIVE and self._send(report) is not None):
+            self.carry = report
 
-    def _totals(self) -> dict[str, Any]:
-        return {"total": self.total_tokens, "rebases": list(self.rebases)}
+    def _totals(self) -> protocol.Totals:
+        return self.total_tokens, list(self.rebases)
 
     def _answer(self, answer: Answer) -> None:
-        meta = {**dataclasses.asdict(answer.meta), **self._totals()}
+        message = protocol.Answer(answer.meta, self._totals())
         payload = encode_tensors(answer.delta, self.codec)
-        self.pending[answer.meta.key] = (meta, payload)
+        self.pending[answer.meta.key] = (message, payload)
         while len(self.pending) > self.max_pending:
             self._forget(next(iter(self.pending)))
         if self.state is LinkState.LIVE:
-            self._send_answer(meta, payload)
+            self._send_answer(message, payload)
 
-    def _send_answer(self, meta: dict[str, Any], payload: bytes) -> None:
+    def _send_answer(self, message: protocol.Answer, payload: bytes) -> None:
         """An answer stays pending until the syncer acknowledges it (a verdict, or its key
         in a merged fragment): so does the shared-memory slot it went in, which the next
         answers must not overwrite (the syncer may not have read it yet)."""
-        key = (meta["learner"], meta["incarnation"], meta["seq"])
+        key = message.answer.key
         parts = self._send(
-            "answer",
-            fragment=meta["fragment"],
-            round=meta["round_id"],
-            meta=meta,
+            message,
+            fragment=message.answer.fragment,
+            round=message.answer.round_id,
             payload=payload,
             busy=frozenset(self.slots.values()),
         )
@@ -461,7 +448,7 @@ class SyncerLink(threading.Thread):
             msg = self.wire.decode([f.buffer for f in frames])
         except WireError as exc:
             if exc.reason == "shm_missing":  # the syncer sees another /dev/shm than ours
-                self._send("inline")
+                self._send(protocol.Inline())
             return
         h = msg.header
         if h.sender != "S" or h.learner != self.learner:
@@ -471,8 +458,17 @@ class SyncerLink(threading.Thread):
             return
         self.last_rx = time.monotonic()
         self.bytes_received += msg.payload.nbytes
-        if h.kind == "challenge":  # a new connection proves it holds the secret now
-            self._prove(h.session, h.meta.get("nonce"))
+        kind, handler = protocol.FROM_SYNCER.get(h.kind), self.handlers.get(h.kind)
+        if kind is None or handler is None:
+            return  # a kind this learner does not know: ignored, as an older one does
+        try:
+            message = kind.parse(h.meta, len(self.shapes))
+        except DDiLoCoError as exc:  # authenticated, yet malformed: a buggy syncer
+            self.wire.refused["meta"] += 1
+            self.say("meta", "learner %d: refused the syncer's %s: %s", self.learner, h.kind, exc)
+            return
+        if isinstance(message, protocol.Challenge):  # a new connection proves it holds the
+            self._prove(h.session, message.nonce)  # secret now
         if h.session != self.syncer_session:  # a syncer (life) we have not talked to yet
             if self.syncer_session is not None:
                 log.warning("learner %d: the syncer restarted; registering again", self.learner)
@@ -480,55 +476,60 @@ class SyncerLink(threading.Thread):
             if h.kind not in ("welcome", "rehello"):
                 self._rehello()
             if self._asking_peers.is_set():  # our ask went to no session: it was not read
-                self._send("peers")
-        if h.kind == "ask":
-            if h.meta.get("final"):  # the run's end: train no more, answer, wait for the stop
-                self.finishing.set()
-            with self._lock:  # an older round's ask overtaken on the way is obsolete
-                self._asks[h.fragment] = max(h.round, self._asks.get(h.fragment, h.round))
-        elif h.kind == "fragment":
-            self._fragment(h.fragment, h.meta, msg.payload)
-        elif h.kind == "verdict":
-            key = h.meta["key"]
-            self._forget((key[0], key[1], key[2]))
-            self._judged(str(h.meta.get("verdict")))
-        elif h.kind == "welcome":
-            self.welcome = h.meta
-            self._enter(LinkState.LIVE)
-            self.backoff.reset()
-            if self.carry is not None:  # trained tokens first, then the answers they back
-                self._progress({**self.carry, "tokens": 0, "rebased": []})
-            # a restarted syncer lost what was sent to its earlier life
-            self._resend([key for key in self.pending if self.sent_to.get(key) != h.session])
-        elif h.kind == "rehello" or (h.kind == "beat" and not h.meta.get("live", True)):
+                self._send(protocol.AskPeers())
+        handler(message, h, msg.payload)
+
+    def _on_ask(self, ask: protocol.Ask, h: Header, _: memoryview) -> None:
+        if ask.final:  # the run's end: train no more, answer, wait for the stop
+            self.finishing.set()
+        with self._lock:  # an older round's ask overtaken on the way is obsolete
+            self._asks[h.fragment] = max(h.round, self._asks.get(h.fragment, h.round))
+
+    def _on_verdict(self, verdict: protocol.Verdict, h: Header, _: memoryview) -> None:
+        self._forget(verdict.key)
+        self._judged(verdict.verdict)
+
+    def _on_welcome(self, welcome: protocol.Welcome, h: Header, _: memoryview) -> None:
+        self.welcome = welcome
+        self._enter(LinkState.LIVE)
+        self.backoff.reset()
+        if self.carry is not None:  # trained tokens first, then the answers they back
+            self._progress(dataclasses.replace(self.carry, tokens=0, rebased=[]))
+        # a restarted syncer lost what was sent to its earlier life
+        self._resend([key for key in self.pending if self.sent_to.get(key) != h.session])
+
+    def _on_beat(self, beat: protocol.Beat, h: Header, _: memoryview) -> None:
+        if not beat.live:  # the syncer no longer waits for us: say hello to be waited for
             self._rehello()
-        elif h.kind == "peers":
-            self._peers.put(_peers_of(h.meta))
-        elif h.kind == "stop":  # the run is over: nothing more comes, nothing more is said
-            self._enter(LinkState.STOPPED)
-        elif h.kind == "leave":  # an operator's, from the status page: a clean leave
-            log.warning("learner %d: asked to leave by %s", self.learner, _why(h.meta))
-            self.asked_to_leave.set()
-        elif h.kind == "kill":  # an operator's: crash now, as a real failure would
-            log.error("learner %d: killed by %s (a crash on purpose)", self.learner, _why(h.meta))
-            logging.shutdown()
-            os._exit(KILLED_EXIT)
-        elif h.kind == "refused":
-            self._fail(f"the syncer refused this learner: {str(h.meta.get('why'))[:400]}")
-        elif h.kind == "no_shm" and self.wire.shm is not None:
-            # the answers that went by shared memory never reached it: send them again,
-            # inline (else each stays pending, unmerged, until a syncer restart)
-            by_shm = [key for key in self.pending if key in self.slots]
-            log.warning(
-                "learner %d: the syncer cannot read our /dev/shm; sending inline (%d pending "
-                "answers again)",
-                self.learner,
-                len(by_shm),
-            )
-            self.wire.shm.close()
-            self.wire.shm = None
-            self.slots.clear()
-            self._resend(by_shm)
+
+    def _on_leave(self, leave: protocol.Leave, h: Header, _: memoryview) -> None:
+        log.warning("learner %d: asked to leave by %s", self.learner, leave.why[:200])
+        self.asked_to_leave.set()
+
+    def _on_kill(self, kill: protocol.Kill, h: Header, _: memoryview) -> None:
+        log.error("learner %d: killed by %s (a crash on purpose)", self.learner, kill.why[:200])
+        logging.shutdown()
+        os._exit(KILLED_EXIT)
+
+    def _on_refused(self, refused: protocol.Refused, h: Header, _: memoryview) -> None:
+        self._fail(f"the syncer refused this learner: {refused.why[:400]}")
+
+    def _on_no_shm(self, _: protocol.NoShm, h: Header, __: memoryview) -> None:
+        """The answers that went by shared memory never reached the syncer: send them
+        again, inline (else each stays pending, unmerged, until a syncer restart)."""
+        if self.wire.shm is None:
+            return
+        by_shm = [key for key in self.pending if key in self.slots]
+        log.warning(
+            "learner %d: the syncer cannot read our /dev/shm; sending inline (%d pending "
+            "answers again)",
+            self.learner,
+            len(by_shm),
+        )
+        self.wire.shm.close()
+        self.wire.shm = None
+        self.slots.clear()
+        self._resend(by_shm)
 
     def _judged(self, verdict: str) -> None:
         """An answer refused as ``invalid`` names a fragment version or a round the syncer
@@ -559,10 +560,10 @@ class SyncerLink(threading.Thread):
         )
         self._rehello()
 
-    def _prove(self, session: int, nonce: Any) -> None:
+    def _prove(self, session: int, nonce: str) -> None:
         """Answer a challenge (syncer/admission.py): the frames this connection sent before
         were dropped unread, so a live link says hello again and re-pushes its answers."""
-        self._send("proof", meta={"nonce": str(nonce)[:64]})
+        self._send(protocol.Proof(nonce[:64]))
         if self.state is LinkState.LIVE and session == self.syncer_session:
             self.sent_to.clear()  # (a re-push the syncer did see is recognised, not re-applied)
             self._rehello()
@@ -572,8 +573,11 @@ class SyncerLink(threading.Thread):
         for key in keys:
             self._send_answer(*self.pending[key])
 
-    def _fragment(self, p: int, meta: dict[str, Any], payload: memoryview) -> None:
-        version = int(meta["version"])
+    def _on_fragment(self, fragment: protocol.Fragment, h: Header, payload: memoryview) -> None:
+        p, version = h.fragment, fragment.version
+        if not 0 <= p < len(self.shapes):
+            self.wire.refused["meta"] += 1
+            return
         try:
             values = decode_update(payload, self.shapes[p])
         except WireError as exc:
@@ -585,14 +589,15 @@ class SyncerLink(threading.Thread):
                 self._inbox[p] = (version, values)
         # merged answers, and older ones of the same life, fragment and base (superseded
         # or now "base already merged"), need no re-push
-        for k in meta.get("keys", []):
-            answer = self.pending.get((k[0], k[1], k[2]))
-            if answer is None:
+        for k in fragment.keys:
+            pending = self.pending.get(k)
+            if pending is None:
                 continue
             self.invalid_in_a_row = self.resyncs = 0  # one of ours was merged
-            frag, base = answer[0]["fragment"], answer[0]["base_version"]
-            for key, (m, _) in list(self.pending.items()):
-                if key[:2] == (k[0], k[1]) and m["fragment"] == frag and m["base_version"] <= base:
+            frag, base = pending[0].answer.fragment, pending[0].answer.base_version
+            for key, (message, _) in list(self.pending.items()):
+                a = message.answer
+                if key[:2] == k[:2] and a.fragment == frag and a.base_version <= base:
                     self._forget(key)
 
     def _forget(self, key: Key) -> None:

@@ -34,6 +34,7 @@ from ddiloco.core.boundary import StepBoundary
 from ddiloco.core.learner_state import LearnerSync
 from ddiloco.data.corpus import BatchStream
 from ddiloco.errors import ConfigError
+from ddiloco.runtime.processes import protocol
 from ddiloco.runtime.processes.learner.link import SyncerLink
 from ddiloco.runtime.processes.learner.local_checkpoint import (
     LocalCheckpoints,
@@ -178,13 +179,10 @@ class LearnerProcess:
             key=state_key(secret),  # a save is bound to its run
         )
 
-    def status(self) -> dict[str, Any]:
-        return {
-            "inc": self.incarnation,
-            "step": self.sync.step,
-            "versions": list(self.sync.versions),
-            "peer": self.server.address,
-        }
+    def status(self) -> protocol.Hello:
+        return protocol.Hello(
+            self.incarnation, self.sync.step, list(self.sync.versions), self.server.address
+        )
 
     # -- life -------------------------------------------------------------------------------
     def run(self) -> int:
@@ -236,7 +234,7 @@ class LearnerProcess:
             if self.ranks.leader and self.link.fatal is not None:
                 raise ConfigError("syncer", self.link.address, self.link.fatal)
             if self.ranks.leader and not self.link.stopped.is_set():  # leaving on our own
-                self.link.bye()
+                self.link.bye(self.leaving_why())
                 self.events("leave", learner=self.m)
             if self.saves.every > 0:  # a stopped run resumes from where it stopped
                 self.saves.save(self.sync.step, self.snapshot_state(copy=False))
@@ -289,8 +287,18 @@ class LearnerProcess:
         global step) instead of starting at step 0: a fresh optimizer at the schedule's peak,
         merged into a model trained past it, can undo the training (eval loss 3.7 -> 10 in 2
         of 8 runs of the run-directory test's config with outer Nesterov momentum)."""
-        welcome = self.link.welcome or {}
-        return int(welcome.get("global_step", 0)) >= self.sync.plan.sync_every
+        welcome = self.link.welcome
+        return welcome is not None and welcome.global_step >= self.sync.plan.sync_every
+
+    def leaving_why(self) -> str:
+        """Why this learner leaves on its own (its goodbye says it; the syncer logs it)."""
+        if self.leaving.is_set():
+            return "SIGTERM"
+        if self.link.asked_to_leave.is_set():
+            return "asked to leave by an operator"
+        if self.max_steps and self.sync.step >= self.max_steps:
+            return f"its step limit ({self.max_steps})"
+        return "its time limit"
 
     def should_stop(self) -> bool:
         """Rank 0's call: the syncer said stop, we were asked to leave (SIGTERM, or an
@@ -324,13 +332,9 @@ class LearnerProcess:
         """A progress report (rank 0): the step, its tokens, the fragments rebased since."""
         if self.ranks.leader:
             self.link.progress(
-                {
-                    "inc": self.incarnation,
-                    "step": self.sync.step,
-                    "tokens": tokens,
-                    "secs": self.last_seconds,
-                    "rebased": self.rebased,
-                }
+                protocol.Progress(
+                    self.incarnation, self.sync.step, tokens, self.last_seconds, self.rebased
+                )
             )
         self.rebased = []
 
@@ -476,11 +480,11 @@ class LearnerProcess:
         self.link.welcomed.wait()  # a welcome, or the link gives up (it then says why)
         if self.link.fatal is not None:
             return
-        welcome = self.link.welcome or {}
-        step = int(welcome.get("global_step", 0))
+        welcome = self.link.welcome or protocol.Welcome(0, [])
+        step = welcome.global_step
         self.sync.step = step
         self.trainer.steps = step
-        wanted = {p for p, v in enumerate(welcome.get("versions", [])) if v > 0}
+        wanted = {p for p, v in enumerate(welcome.versions) if v > 0}
         deadline = time.monotonic() + 30.0
         params = self.trainer.params()
         while wanted and time.monotonic() < deadline:

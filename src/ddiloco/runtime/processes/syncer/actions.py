@@ -27,6 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ddiloco.config import ProcessesConfig
+from ddiloco.runtime.processes import protocol
 
 ACTIONS = ("kill", "leave")
 _PATH = re.compile(r"^/learners/(\d{1,6})/([a-z]+)$")
@@ -97,7 +98,8 @@ class ActionGate:
                 a = self._requests.get_nowait()
             except queue.Empty:
                 return
-            send(a.learner, a.action, meta={"why": f"an operator at {a.client}"})
+            told = protocol.Kill if a.action == "kill" else protocol.Leave
+            send(a.learner, told(f"an operator at {a.client}"))
             events("operator", action=a.action, learner=a.learner, client=a.client)
 
     def _refuse(self, why: str, code: int, message: str) -> tuple[int, dict[str, object]]:

@@ -37,6 +37,7 @@ from typing import Any, Literal
 
 import zmq
 
+from ddiloco.runtime.processes import protocol
 from ddiloco.runtime.processes.syncer.admission import Admission, Verdict
 from ddiloco.runtime.processes.transport.auth import (
     Gatekeeper,
@@ -203,7 +204,7 @@ class Connections:
             if now - last_beat >= BEAT_SECONDS:
                 last_beat = now
                 for m, live in list(self.beats.items()):
-                    self._send_to_learner(m, "beat", meta={"live": live})
+                    self._send_to_learner(m, protocol.Beat(live))
                 busy = now - self.turned
                 if busy > BUSY_WARN_SECONDS and not busy_said:
                     log.warning(
@@ -242,7 +243,7 @@ class Connections:
             msg = self.wire.decode([f.buffer for f in frames[1:]], admit=False)
         except WireError as exc:  # logged (rate-limited) and counted by the wire
             if exc.reason == "shm_missing" and self.admission.proven(ident, m):
-                self._send_to(ident, "no_shm", learner=m)  # it cannot reach our /dev/shm
+                self._send_to(ident, protocol.NoShm(), learner=m)  # it cannot reach our /dev/shm
             return None
         h = msg.header
         if h.sender != user or h.learner != m:
@@ -260,15 +261,15 @@ class Connections:
         self._heard_mono[m] = time.monotonic()
         if h.to != self.wire.session:  # for an earlier life of ours, or a first hello
             if self.rehellos.ready(m):
-                self._send_to_learner(m, "rehello")
+                self._send_to_learner(m, protocol.Rehello())
             self.counts["rehello"] += 1
             return None
         return Incoming(m, h.kind, h.meta, msg.payload, at)
 
     def _prove(self, ident: bytes, m: int, h: Header) -> None:
         """A frame on a connection that has not proved itself: a proof, or a challenge."""
-        if h.kind == "proof":
-            if self.admission.prove(ident, m, h.meta.get("nonce")):
+        if h.kind == protocol.Proof.KIND:
+            if self.admission.prove(ident, m, h.meta.get("nonce")):  # (compared, not parsed)
                 return  # (not through the replay window: a new life's proof must not
                 # retire the current life's session; the nonce makes it fresh)
             self.refuse("refused_proof", m, "a proof that does not echo this connection's nonce")
@@ -276,7 +277,7 @@ class Connections:
         self.counts["unproven"] += 1
         nonce, unproven = self.admission.challenge(ident, m, time.monotonic())
         if nonce is not None:
-            self._send_to(ident, "challenge", learner=m, to=h.session, meta={"nonce": nonce})
+            self._send_to(ident, protocol.Challenge(nonce), learner=m, to=h.session)
         if unproven == UNPROVEN_SAID:  # a learner proves itself at its first challenge
             self.say(
                 "unproven",
@@ -312,14 +313,15 @@ class Connections:
                     "learner said hello while this one was silent: frozen, cut off or "
                     "restarted); this process is out of date"
                 )
-                self._send_to(ident, "refused", learner=m, to=h.session, meta={"why": why})
+                self._send_to(ident, protocol.Refused(why), learner=m, to=h.session)
             return False
         return True
 
     def _route_open(self, route: bytes, m: int) -> bool:
         """Whether ``route`` is still connected (a beat to it; libzmq drops a closed
         connection's route, and ROUTER_MANDATORY then refuses the send)."""
-        parts = self.wire.encode("beat", learner=m, to=self.sessions.get(m, 0), meta={"live": True})
+        beat = protocol.Beat(live=True)
+        parts = self.wire.encode(beat.KIND, learner=m, to=self.sessions.get(m, 0), meta=beat.meta())
         try:
             self.sock.send_multipart([route, *parts], zmq.NOBLOCK, copy=False)
         except zmq.ZMQError as exc:
@@ -333,7 +335,7 @@ class Connections:
             f"{m}` running? Stop one of them."
         )
         log.error("syncer: refused a second process claiming learner %d: %s", m, why)
-        self._send_to(ident, "refused", learner=m, to=session, meta={"why": why})
+        self._send_to(ident, protocol.Refused(why), learner=m, to=session)
         self.admission.forget(ident)
 
     def send(self, m: int, kind: str, **kw: Any) -> None:
@@ -356,14 +358,15 @@ class Connections:
             self.bytes_sent += payload_size(parts)
         return [route, *parts]
 
-    def _send_to_learner(self, m: int, kind: str, **kw: Any) -> None:
+    def _send_to_learner(self, m: int, message: protocol.Message) -> None:
         """Send from the network thread itself (a beat, a rehello)."""
-        parts = self._encode(m, kind, **kw)
+        parts = self._encode(m, message.KIND, meta=message.meta())
         if parts is not None:
             self._send_raw(parts)
 
-    def _send_to(self, route: bytes, kind: str, **kw: Any) -> None:
-        self._send_raw([route, *self.wire.encode(kind, **kw)])
+    def _send_to(self, route: bytes, message: protocol.Message, **kw: Any) -> None:
+        """Send on connection ``route`` (kw: the header's learner and to)."""
+        self._send_raw([route, *self.wire.encode(message.KIND, meta=message.meta(), **kw)])
 
     def _send_raw(self, parts: list[Any]) -> None:
         try:

@@ -11,18 +11,27 @@ thread, one socket: nothing here waits on a learner.
 
 Who may talk (docs/security.md) is :mod:`.connections`' concern: a message reaches a handler
 here only when its signed sender is the learner its connection authenticated as, and it is
-addressed to this syncer life. Every handler's metadata is then checked by :mod:`.messages`;
-a malformed message is refused, counted and logged (rate-limited), never an exception out
-of the loop.
+addressed to this syncer life. Its metadata is then parsed into its message class, every
+field checked (:mod:`ddiloco.runtime.processes.protocol`, where every kind of both directions
+is defined); a malformed message is refused, counted and logged (rate-limited), never an
+exception out of the loop. Each handler ``on_<kind>(m, message, payload)`` takes the parsed
+message; a reply is ``self.send(m, protocol.<Kind>(...))``.
+
+Call order, per message: connections checks it -> :meth:`SyncerService.handle` notes the
+learner heard -> the handler feeds the core (a progress report is credited and counted in the
+ledger before the core sees the step; an answer is counted in the ledger before the core
+judges it). Per turn of the loop: :meth:`SyncerService.poll` takes the core's merges, books
+each in the ledger, persists it, then broadcasts it (a merge is durable before any learner
+sees it), then liveness, evaluations and checkpoints.
 
 Learner -> syncer: hello, peers, progress, answer, inline (it cannot read our /dev/shm),
-bye. Syncer -> learner: welcome, peers, rehello (this syncer life's session; it does not
+beat, bye. Syncer -> learner: welcome, peers, rehello (this syncer life's session; it does not
 know this learner life: say hello again and re-push), ask (``final``: the run's end, stop
-stepping and answer), fragment (a merged fragment, with
-the answer keys it merged), verdict (an answer dropped), beat, no_shm (send inline),
-refused (this learner cannot take part: it stops, saying why), stop, and an operator's kill
-or leave from the status page (:mod:`.actions`). Progress is credited by a step budget
-(core/credit.py), never beyond what the elapsed time allows.
+stepping and answer), fragment (a merged fragment, with the answer keys it merged), verdict
+(an answer dropped), beat, no_shm (send inline), refused (this learner cannot take part: it
+stops, saying why), stop, and an operator's kill or leave from the status page
+(:mod:`.actions`). Progress is credited by a step budget (core/credit.py), never beyond what
+the elapsed time allows.
 """
 
 from __future__ import annotations
@@ -45,7 +54,7 @@ from ddiloco.core.restart_ledger import RestartLedger
 from ddiloco.core.rounds import UNSOLICITED, AnswerMeta, Round, Verdict
 from ddiloco.core.syncer_state import MergeResult, SyncerState
 from ddiloco.errors import ConfigError, DDiLoCoError
-from ddiloco.runtime.processes.syncer import messages
+from ddiloco.runtime.processes import protocol
 from ddiloco.runtime.processes.syncer.actions import ActionGate
 from ddiloco.runtime.processes.syncer.attendance import Attendance
 from ddiloco.runtime.processes.syncer.checkpoints import checkpoint_writer
@@ -73,7 +82,7 @@ from ddiloco.runtime.run import RunSetup
 
 log = logging.getLogger(__name__)
 
-Handler = Callable[[int, dict[str, Any], memoryview], None]  # (learner, metadata, payload)
+Handler = Callable[[int, Any, memoryview], None]  # (learner, its protocol message, payload)
 
 BEAT_SECONDS = 0.5  # liveness checks, ledger saves, the status page (beats: .connections)
 FINAL_ASK_SECONDS = 1.0  # a final round asks the learners it still waits for again this often
@@ -138,7 +147,6 @@ class SyncerService:
             bind, run_id, secret, setup.slots, self.limits, shm, clock=events.now, tickets=tickets
         )
         self.counts = self.conn.counts  # one tally of what was refused, dropped, re-sent
-        self.send = self.conn.send
         self.status = StatusBoard(run_id)
         self.actions = ActionGate(secret, self.config.processes)
         self.evaluator = Evaluator(setup, events, on_eval=self.status.evaluated)
@@ -302,9 +310,9 @@ class SyncerService:
 
     def ask(self, rnd: Round, learners: Iterable[int]) -> None:
         """Ask ``learners`` for an answer in ``rnd`` (a final round's ask says so)."""
-        meta = {"final": True} if rnd.final_at is not None else None
+        ask = protocol.Ask(final=rnd.final_at is not None)
         for m in sorted(learners):
-            self.send(m, "ask", fragment=rnd.fragment, round=rnd.round_id, meta=meta)
+            self.send(m, ask, fragment=rnd.fragment, round=rnd.round_id)
 
     def handle(self, msg: Incoming) -> None:
         """An authenticated message for this syncer life (:mod:`.connections` checked who
@@ -315,28 +323,27 @@ class SyncerService:
     def dispatch(self, m: int, kind: str, meta: dict[str, Any], payload: memoryview) -> None:
         """Run the handler of an authenticated message from learner ``m``; a malformed one
         is refused, counted and logged; nothing gets out."""
-        handler = self.handlers.get(kind)
-        if handler is None:
+        handler, message = self.handlers.get(kind), protocol.FROM_LEARNER.get(kind)
+        if handler is None or message is None:
             self.conn.refuse("refused_kind", m, f"unknown message kind {kind[:32]!r}")
             return
         try:
-            handler(m, meta, payload)
-        except DDiLoCoError as exc:  # malformed metadata, by the messages' checks
+            handler(m, message.parse(meta, self.plan.num_fragments), payload)
+        except DDiLoCoError as exc:  # malformed metadata, by the protocol's checks
             self.conn.refuse("refused_meta", m, f"{kind}: {exc}")
         except Exception as exc:
             self.conn.refuse("handler_error", m, f"{kind}: {type(exc).__name__}: {exc}")
             log.debug("syncer: handler error", exc_info=True)
 
     # -- messages ---------------------------------------------------------------------------
-    def on_hello(self, m: int, meta: dict[str, Any], _: memoryview) -> None:
-        hello = messages.hello(meta, self.plan.num_fragments)
+    def on_hello(self, m: int, hello: protocol.Hello, _: memoryview) -> None:
         inc, versions = hello.incarnation, hello.versions
         if inc != self.conn.sessions.get(m):
             raise ConfigError("meta.inc", inc, "is not the session this learner signs with")
         why = self.ahead_of_store(m, versions)
         if why is not None:
             self.conn.refuse("refused_ahead", m, why)  # its answers could never merge: say so
-            self.send(m, "refused", meta={"why": why})
+            self.send(m, protocol.Refused(why))
             return
         step = self.bounded_step(m, hello.step)
         now = self.events.now()
@@ -353,14 +360,7 @@ class SyncerService:
                 m, self.ledger.last_step[m][0] if restored else None, now, ceiling=step
             )
         asks = self.syncer.join(m, step)
-        self.send(
-            m,
-            "welcome",
-            meta={
-                "global_step": self.syncer.global_step,
-                "versions": list(self.syncer.versions),
-            },
-        )
+        self.send(m, protocol.Welcome(self.syncer.global_step, list(self.syncer.versions)))
         for rnd in asks:
             self.ask(rnd, [m])
         for p, version in enumerate(self.syncer.versions):
@@ -413,7 +413,7 @@ class SyncerService:
         )
         return ceiling
 
-    def on_beat(self, m: int, meta: dict[str, Any], _: memoryview) -> None:
+    def on_beat(self, m: int, beat: protocol.Beat, _: memoryview) -> None:
         """A learner's link says it is alive while it sends nothing else (a long step, an
         evaluation): :meth:`handle` has noted it; nothing else to do."""
 
@@ -423,7 +423,7 @@ class SyncerService:
         live = self.syncer.live
         self.conn.beats = {m: m in live for m in self.incarnations}
 
-    def on_inline(self, m: int, meta: dict[str, Any], _: memoryview) -> None:
+    def on_inline(self, m: int, inline: protocol.Inline, _: memoryview) -> None:
         """Learner ``m`` cannot read our shared-memory slots: send it payloads inline, the
         merged fragments first (the broadcast it could not read was one of them: without it
         the learner would answer on an old base until a dropped answer made us resend)."""
@@ -437,7 +437,7 @@ class SyncerService:
                 self.counts["resent_fragment"] += 1
                 self.send_fragment([m], p, version, self.syncer.fragments[p], [])
 
-    def on_peers(self, m: int, meta: dict[str, Any], _: memoryview) -> None:
+    def on_peers(self, m: int, ask: protocol.AskPeers, _: memoryview) -> None:
         """The live learners' recovery addresses, the furthest trained first (the learner
         tries them in this order): one at step 0 may be copying a peer itself and not answer
         for seconds, so it comes last (not left out: a learner's credited progress lags its
@@ -447,18 +447,19 @@ class SyncerService:
         live = self.syncer.live
         ahead = sorted((k for k in live if k != m), key=lambda k: (-live[k], k))
         peers = {str(k): self.addresses[k] for k in ahead if self.addresses.get(k)}
-        self.send(m, "peers", meta={"peers": peers, "versions": list(self.syncer.versions)})
+        self.send(m, protocol.Peers(peers, list(self.syncer.versions)))
 
-    def on_progress(self, m: int, meta: dict[str, Any], _: memoryview) -> None:
-        report = messages.progress(meta, self.plan.num_fragments)
+    def on_progress(self, m: int, report: protocol.Progress, _: memoryview) -> None:
         if self.incarnations.get(m) != report.incarnation:
-            self.send(m, "rehello")
+            self.send(m, protocol.Rehello())
             return
         inc = report.incarnation
         added = self.totals.reported(m, inc, report.totals, report.tokens, report.rebased)
         steps, step = self.count_progress(m, report.step, *added)
         if m not in self.syncer.live:  # a life we gave up (silent: frozen, cut
-            self.send(m, "rehello")  # off) trained these all the same: counted (its answers
+            self.send(
+                m, protocol.Rehello()
+            )  # off) trained these all the same: counted (its answers
             return  # claim them); it says hello to be waited for again
         if not steps:
             return
@@ -477,13 +478,14 @@ class SyncerService:
         self.tokens += self.ledger.reported(m, at, credited, rebased, self.syncer.versions, steps)
         return steps, at
 
-    def on_answer(self, m: int, meta: dict[str, Any], payload: memoryview) -> None:
-        answer = messages.answer(meta, self.plan.num_fragments)
+    def on_answer(self, m: int, message: protocol.Answer, payload: memoryview) -> None:
+        answer, totals = message.answer, message.totals
         if answer.learner != m or self.incarnations.get(m) != answer.incarnation:
-            self.send(m, "rehello")  # from a life this syncer has not registered: re-push later
+            self.send(
+                m, protocol.Rehello()
+            )  # from a life this syncer has not registered: re-push later
             return
         answer.validate(self.plan.num_fragments)
-        totals = messages.totals(meta, self.plan.num_fragments)
         overtaken = self.totals.overtaken(m, answer.incarnation, totals, answer.fragment)
         caught_up = self.totals.caught_up(m, answer.incarnation, totals)
         if caught_up[0] or caught_up[1]:  # reports it was sent after never came: count them
@@ -535,21 +537,16 @@ class SyncerService:
             self.counts["resent_fragment"] += 1
             self.send_fragment([m], p, self.syncer.versions[p], self.syncer.fragments[p], [])
 
-    def on_bye(self, m: int, meta: dict[str, Any], _: memoryview) -> None:
+    def on_bye(self, m: int, bye: protocol.Bye, _: memoryview) -> None:
         self.account_uptime(self.events.now())
         self.syncer.leave(m, self.events.now())
         self.ledger.crashed(m, LEFT)
         self.incarnations.pop(m, None)
         self.roster()
-        self.events("left", learner=m)
+        self.events("left", learner=m, why=bye.why)
 
     def verdict(self, m: int, answer: AnswerMeta, verdict: str) -> None:
-        self.send(
-            m,
-            "verdict",
-            fragment=answer.fragment,
-            meta={"key": list(answer.key), "verdict": verdict},
-        )
+        self.send(m, protocol.Verdict(answer.key, verdict), fragment=answer.fragment)
         self.events("drop", learner=m, fragment=answer.fragment, verdict=verdict)
 
     # -- merging ----------------------------------------------------------------------------
@@ -559,7 +556,7 @@ class SyncerService:
             result.book(self.ledger)  # counted as (and when) it is made durable, next
             self.persist(result)
             live = sorted(self.syncer.live)
-            keys = [list(a.key) for a in result.round.answers]
+            keys = [a.key for a in result.round.answers]
             nbytes = self.send_fragment(live, result.fragment, result.version, result.tensors, keys)
             self.syncer.record_sync_time(time.monotonic() - started)
             self.status.merged(result, self.events.now())
@@ -585,14 +582,22 @@ class SyncerService:
             record_of(self.syncer, p, self.tokens, self.applied[p], self.ledger.to_state())
         )
 
+    def send(self, m: int, message: protocol.Message, **kw: Any) -> None:
+        """Send ``message`` to learner ``m`` (``kw``: the header's fragment and round, the
+        payload); dropped and counted when ``m`` has no connection (:mod:`.connections`)."""
+        self.conn.send(m, message.KIND, meta=message.meta(), **kw)
+
     def send_fragment(
-        self, to: list[int], p: int, version: int, tensors: list[torch.Tensor], keys: list[Any]
+        self,
+        to: list[int],
+        p: int,
+        version: int,
+        tensors: list[torch.Tensor],
+        keys: list[tuple[int, int, int]],
     ) -> int:
         payload = encode_tensors(tensors, self.setup.method.sync.broadcast_spec())
         for m in to:
-            self.send(
-                m, "fragment", fragment=p, meta={"version": version, "keys": keys}, payload=payload
-            )
+            self.send(m, protocol.Fragment(version, keys), fragment=p, payload=payload)
         return len(payload)
 
     # -- liveness, evaluation, the end -----------------------------------------------------
@@ -634,7 +639,7 @@ class SyncerService:
         now = self.events.now()
         self.account_uptime(now)
         for m in list(self.incarnations):
-            self.send(m, "stop")
+            self.send(m, protocol.Stop())
         self.evaluator.wait()  # the run's result is evaluated last, here
         final = self.setup.eval_loss(self.syncer.fragments)
         self.status.evaluated(self.tokens, final)
@@ -650,6 +655,6 @@ class SyncerService:
         for _ in range(3):  # stop is not acknowledged: say it a few times
             time.sleep(0.1)
             for m in list(self.incarnations):
-                self.send(m, "stop")
+                self.send(m, protocol.Stop())
         self.conn.close()
         return summary

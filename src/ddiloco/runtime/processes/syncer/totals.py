@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-Totals = tuple[int, list[int]]  # what a message carries: tokens, rebases per fragment
+from ddiloco.runtime.processes.protocol import Totals  # tokens, rebases per fragment
 
 
 @dataclass
