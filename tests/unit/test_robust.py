@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -430,18 +431,11 @@ def test_a_restored_fragment_keeps_its_window():
     bench = Bench(ledger=TokenLedger(1))
     bench.honest_round()
     syncer, other = bench.syncer, Bench().syncer
-    state = (
-        syncer.fragments[0],
-        syncer.outer[0].state_dict(),
-        syncer.versions[0],
-        syncer.next_round_id(0),
-        [],
-        {},
-    )
-    other.restore_fragment(0, *state, norm_window=list(syncer.norm_windows[0].values))
+    state = syncer.fragment_state(0)
+    other.load_fragment(0, state)
     assert list(other.norm_windows[0].values) == list(syncer.norm_windows[0].values)
     assert other.param_norms[0] == syncer.param_norms[0]
-    other.restore_fragment(0, *state)
+    other.load_fragment(0, dataclasses.replace(state, norm_window=[]))
     assert len(other.norm_windows[0]) == 0  # an older record: the bound warms up again
 
 

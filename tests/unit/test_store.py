@@ -101,7 +101,8 @@ def test_the_journal_drops_a_torn_tail_and_merges_never_broadcast(tmp_path):
     with store.journal_path.open("ab") as f:
         f.write(b"\x10\x00\x00\x00\x00\x00\x00\x00DDSJ")  # a record cut short by a kill
     values = [torch.zeros(2)]
-    store.save(FragmentRecord(0, 1, 1, 0, 0, values, {"steps": 0, "buffers": None}, [], {}))
+    outer = {"steps": 0, "buffers": None}
+    store.save(FragmentRecord(1, 1, values, outer, fragment=0, global_step=0, tokens=0))
     store.load()  # fragment 0 is durable at version 1: the version-2 merge never happened
     entries = list(store.journal())
     assert [h["version"] for h, _ in entries] == [1]
@@ -119,7 +120,8 @@ WRITER = textwrap.dedent(
         v += 1
         values = [torch.full((256, 256), float(v)), torch.full((300,), float(v))]
         outer = {"steps": v, "buffers": [t * 2 for t in values]}
-        store.save(FragmentRecord(0, v, v, v, v, values, outer, [(0, 1, v)], {(0, 1): v}))
+        keys = {"fragment": 0, "global_step": v, "tokens": v}
+        store.save(FragmentRecord(v, v, values, outer, [(0, 1, v)], {(0, 1): v}, **keys))
     """
 )
 
@@ -187,3 +189,23 @@ def test_a_torn_ledger_checkpoint_leaves_the_snapshot_of_the_last_merge(tmp_path
     loaded.load()
     assert loaded.ledger_state == ledger.to_state()
     assert not (tmp_path / ".ledger.bin.tmp").exists()
+
+
+def test_the_store_keeps_what_the_core_calls_a_fragments_state_and_the_syncer_clock(tmp_path):
+    # the processes' store and the simulated clock's checkpoints put a fragment back from the
+    # same FragmentState (core/fragment_state.py): all of it survives a file, the outer
+    # step's period clock and the step-time EMAs included (a restart used to lose both)
+    syncer = make_syncer()
+    store = SyncerStore(tmp_path)
+    result, meta = merge_once(syncer)
+    p = result.fragment
+    syncer.record_sync_time(0.125)
+    store.save(record_of(syncer, p, tokens=64, applied=[meta.key]))
+    fresh = make_syncer()
+    restore(fresh, store.load())
+    ours, theirs = fresh.fragment_state(p, [meta.key]), syncer.fragment_state(p, [meta.key])
+    for name in ("version", "next_round_id", "applied", "merged_base", "norm_window"):
+        assert getattr(ours, name) == getattr(theirs, name), name
+    assert ours.merged_opened == theirs.merged_opened is not None
+    assert fresh.clock_state() == syncer.clock_state()
+    assert syncer.clock_state()[2] == 0.125

@@ -36,8 +36,9 @@ def record(p: int, v: int) -> FragmentRecord:
     values = [torch.full((3, 2), float(10 * p + v)), torch.arange(4.0) + v]
     outer = {"steps": v, "buffers": [t * 2 for t in values]}
     return FragmentRecord(
-        p, v, v + 1, v, 64 * v, values, outer, [(0, 1, v)], {(0, 1): v}, {"merges": v}
-    )
+        v, v + 1, values, outer, [(0, 1, v)], {(0, 1): v},
+        fragment=p, global_step=v, tokens=64 * v, ledger={"merges": v},
+    )  # fmt: skip
 
 
 def entry(p: int, v: int) -> tuple[dict[str, int | list[int]], list[bytes]]:

@@ -18,6 +18,7 @@ from types import MappingProxyType
 
 import torch
 
+from ddiloco.core.fragment_state import FragmentState, Key
 from ddiloco.core.fragments import gather
 from ddiloco.core.ledger import OUTLIER, SyncerLedger
 from ddiloco.core.merge import MERGE_RULES, merge, tensor_norms, token_weight
@@ -202,7 +203,7 @@ class SyncerState:
         self.param_norms = [answer_norm(tensor_norms(f)) for f in self.fragments]  # ||Theta_p||
         # per fragment: the global step its last merged round opened at (None: none yet, or
         # not since a restart: the next outer step is a whole one)
-        self.merged_opened: list[int | None] = [None] * plan.num_fragments
+        self._merged_opened: list[int | None] = [None] * plan.num_fragments
 
     @property
     def versions(self) -> list[int]:
@@ -400,7 +401,7 @@ class SyncerState:
         fraction = (
             0.0
             if closed.final
-            else period_fraction(closed.opened_step, self.merged_opened[p], self.plan.sync_every)
+            else period_fraction(closed.opened_step, self._merged_opened[p], self.plan.sync_every)
         )
         update_norm = merge_step(
             self.fragments[p],
@@ -415,7 +416,7 @@ class SyncerState:
             fraction,
         )
         version = self._policy.on_merged(closed)
-        self.merged_opened[p] = closed.opened_step
+        self._merged_opened[p] = closed.opened_step
         self._count("merged_rounds")
         if self.config.robust.enabled:
             self.param_norms[p] = answer_norm(tensor_norms(self.fragments[p]))
@@ -458,38 +459,47 @@ class SyncerState:
         return scales
 
     @torch.no_grad()
-    def restore_fragment(
-        self,
-        p: int,
-        values: Sequence[torch.Tensor],
-        outer_state: Mapping[str, object],
-        version: int,
-        next_round_id: int,
-        applied: Collection[tuple[int, int, int]],
-        merged_base: Mapping[tuple[int, int], int],
-        norm_window: Sequence[float] = (),
-    ) -> None:
-        """Load fragment ``p``'s durable state (a restarted syncer): values, outer optimizer,
-        version, round ids, which answers were already merged, so none is merged twice, and
-        the norms of recent merges (``norm_windows[p].values``; empty: the bound warms up
-        again)."""
+    def fragment_state(self, p: int, applied: Sequence[Key] = ()) -> FragmentState:
+        """Fragment ``p``'s durable state (reading only; the values and the outer state are
+        the syncer's own tensors: copy what must outlive the next merge). ``applied`` is
+        every answer key merged into it so far: the core forgets merged ids, the caller that
+        must not merge one twice after a restart keeps them."""
+        policy = self._policy
+        return FragmentState(
+            version=policy.versions[p],
+            next_round_id=policy.next_round_id[p],
+            values=self.fragments[p],
+            outer=self.outer[p].state_dict(),
+            applied=list(applied),
+            merged_base=self.merged_bases(p),
+            norm_window=list(self.norm_windows[p].values),
+            merged_opened=self._merged_opened[p],
+        )
+
+    def load_fragment(self, p: int, state: FragmentState) -> None:
+        """Put fragment ``p`` back where :meth:`fragment_state` was (a restarted syncer, a
+        resumed run): values, outer optimizer, version, round ids, the answers already merged
+        (none is merged twice), the norms of recent merges (empty: the bound warms up again)
+        and the outer step's period clock."""
         shapes = [tuple(t.shape) for t in self.fragments[p]]
         require(
-            [tuple(t.shape) for t in values] == shapes,
+            [tuple(t.shape) for t in state.values] == shapes,
             f"fragment-{p}",
             "shapes",
             "do not match this model's plan",
         )
-        for dst, src in zip(self.fragments[p], values, strict=True):
+        for dst, src in zip(self.fragments[p], state.values, strict=True):
             dst.copy_(src)
         self.param_norms[p] = answer_norm(tensor_norms(self.fragments[p]))
-        self.norm_windows[p].load(norm_window)
-        self.outer[p].load_state_dict(dict(outer_state))
-        self._policy.versions[p] = version
-        self._policy.next_round_id[p] = next_round_id
-        self._policy.seen.update(applied)
-        for (learner, incarnation), base in merged_base.items():
+        self.norm_windows[p].load(state.norm_window)
+        self.outer[p].load_state_dict(dict(state.outer))
+        self._policy.versions[p] = state.version
+        self._policy.next_round_id[p] = state.next_round_id
+        self._policy.seen.update(state.applied)
+        for (learner, incarnation), base in state.merged_base.items():
             self._policy.merged_base[(learner, incarnation, p)] = base
+        if state.merged_opened is not None:
+            self._merged_opened[p] = state.merged_opened
 
     def record_sync_time(self, seconds: float) -> None:
         """Merge + broadcast duration measured by the runtime, for the grace window."""

@@ -22,6 +22,7 @@ from ddiloco.checkpoints.sim_state import STATE, ResumeState, pack, unpack
 from ddiloco.core import ledger as reasons
 from ddiloco.core.boundary import StepBoundary
 from ddiloco.core.codec import decode_tensors, encode_tensors
+from ddiloco.core.fragment_state import FragmentState
 from ddiloco.core.fragments import gather, scatter
 from ddiloco.core.learner_state import LearnerSync
 from ddiloco.core.ledger import TokenLedger
@@ -327,7 +328,10 @@ class FragmentSim(SimRun):
         now = self.clock.now
         tensors: dict[str, torch.Tensor] = {}
         syncer = self.syncer
-        outer = [pack(f"outer.{p}", o.state_dict(), tensors) for p, o in enumerate(syncer.outer)]
+        # the same fragment state the processes' store keeps (core/fragment_state.py); the
+        # values are the checkpoint's model, the answers merged are the ledger's
+        states = [syncer.fragment_state(p) for p in range(self.plan.num_fragments)]
+        outer = [pack(f"outer.{p}", st.outer, tensors) for p, st in enumerate(states)]
         idle = self.idle_seconds
         if not final:  # (at the end, the run has already counted the waits still going on)
             idle += sum(now - n.waiting_since for n in self.nodes if n.waiting_since is not None)
@@ -356,12 +360,13 @@ class FragmentSim(SimRun):
             "idle_seconds": idle,
             "uptime": [uptime, up.first],
             "counts": dict(syncer.counts),
-            "versions": list(syncer.versions),
-            "next_round_id": [syncer.next_round_id(p) for p in range(self.plan.num_fragments)],
+            "versions": [st.version for st in states],
+            "next_round_id": [st.next_round_id for st in states],
             "global_step": syncer.global_step,
-            "merged_opened": list(syncer.merged_opened),  # the outer momentum's period clock
+            "merged_opened": [st.merged_opened for st in states],  # the outer step's clock
+            "merged_base": [[[*k, b] for k, b in sorted(st.merged_base.items())] for st in states],
             "ema": list(syncer.clock_state()[1:]),
-            "norm_windows": [list(w.values) for w in syncer.norm_windows],
+            "norm_windows": [st.norm_window for st in states],
             "outer": outer,
             "ledger": self.ledger.to_state(),
             "rng": rng_state(self.step_times.rng),
@@ -382,20 +387,20 @@ class FragmentSim(SimRun):
             )
         now = self.clock.now = float(v["t"])
         weights = dict(resume.model.named_parameters())
-        for p in range(plan.num_fragments):
-            syncer.restore_fragment(
-                p,
-                gather(plan, p, weights),
-                unpack(f"outer.{p}", v["outer"][p], resume.state.tensors),
-                int(v["versions"][p]),
-                int(v["next_round_id"][p]),
-                (),
-                {},
-                v["norm_windows"][p],
-            )
-        step_seconds, sync_seconds = v["ema"]
         opened = v.get("merged_opened") or [None] * plan.num_fragments
-        syncer.merged_opened = [None if s is None else int(s) for s in opened]
+        bases = v.get("merged_base") or [[] for _ in range(plan.num_fragments)]  # (older: none)
+        for p in range(plan.num_fragments):
+            state = FragmentState(
+                version=int(v["versions"][p]),
+                next_round_id=int(v["next_round_id"][p]),
+                values=gather(plan, p, weights),
+                outer=unpack(f"outer.{p}", v["outer"][p], resume.state.tensors),
+                merged_base={(int(a), int(i)): int(b) for a, i, b in bases[p]},
+                norm_window=[float(x) for x in v["norm_windows"][p]],
+                merged_opened=None if opened[p] is None else int(opened[p]),
+            )
+            syncer.load_fragment(p, state)
+        step_seconds, sync_seconds = v["ema"]
         syncer.load_clock(int(v["global_step"]), step_seconds, sync_seconds)
         syncer.counts = dict(v["counts"])
         self.ledger.load_state(v["ledger"])

@@ -14,10 +14,11 @@ from typing import Any
 
 import torch
 
+from ddiloco.core.fragment_state import Key
 from ddiloco.core.restart_ledger import RestartLedger
 from ddiloco.core.syncer_state import SyncerState
 from ddiloco.errors import ConfigError
-from ddiloco.runtime.processes.syncer.store_format import FragmentRecord, Key, StoreError
+from ddiloco.runtime.processes.syncer.store_format import FragmentRecord, StoreError
 
 
 def record_of(
@@ -27,47 +28,39 @@ def record_of(
     applied: list[Key],
     ledger: dict[str, Any] | None = None,
 ) -> FragmentRecord:
-    """Fragment ``p``'s durable record, right after a merge. ``applied`` is every answer key
-    merged into it so far (the service keeps that list: the core forgets merged ids);
-    ``ledger`` the ledger's state counting this merge and no later one."""
+    """Fragment ``p``'s durable record, right after a merge: the core's fragment state and
+    where the run stands. ``applied`` is every answer key merged into it so far (the service
+    keeps that list: the core forgets merged ids); ``ledger`` the ledger's state counting
+    this merge and no later one."""
+    state = syncer.fragment_state(p, applied)
+    step, step_seconds, sync_seconds = syncer.clock_state()
     return FragmentRecord(
+        **vars(state),
         fragment=p,
-        version=syncer.versions[p],
-        next_round_id=syncer.next_round_id(p),
-        global_step=syncer.global_step,
+        global_step=step,
         tokens=tokens,
-        values=syncer.fragments[p],
-        outer=syncer.outer[p].state_dict(),
-        applied=applied,
-        merged_base=syncer.merged_bases(p),
         ledger=ledger,
-        norm_window=list(syncer.norm_windows[p].values),
+        ema=(step_seconds, sync_seconds),
     )
 
 
 @torch.no_grad()
 def restore(syncer: SyncerState, records: dict[int, FragmentRecord]) -> tuple[int, int]:
-    """Load durable records into a freshly built syncer; returns (global step, tokens)."""
+    """Load durable records into a freshly built syncer; returns (global step, tokens). The
+    syncer clock comes back from the newest record (the highest global step)."""
     step, tokens = 0, 0
+    ema: tuple[float | None, float | None] = (None, None)
     for p, rec in sorted(records.items()):
         if not 0 <= p < len(syncer.fragments):
             raise StoreError("fragment", p, f"the plan has {len(syncer.fragments)} fragments")
         try:
-            syncer.restore_fragment(
-                p,
-                rec.values,
-                rec.outer,
-                rec.version,
-                rec.next_round_id,
-                rec.applied,
-                rec.merged_base,
-                norm_window=rec.norm_window,
-            )
+            syncer.load_fragment(p, rec)
         except ConfigError as exc:
             raise StoreError(exc.field, exc.value, exc.why) from None
-        step = max(step, rec.global_step)
+        if rec.global_step >= step:
+            step, ema = rec.global_step, rec.ema
         tokens = max(tokens, rec.tokens)
-    syncer.load_clock(step)
+    syncer.load_clock(step, *ema)
     return step, tokens
 
 

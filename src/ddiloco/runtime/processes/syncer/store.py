@@ -53,6 +53,7 @@ from typing import Any
 
 import torch
 
+from ddiloco.core.fragment_state import Key
 from ddiloco.runtime.processes.syncer.restore import record_of, restore
 
 # Re-exported for the damage tests, which forge files with them.
@@ -63,7 +64,6 @@ from ddiloco.runtime.processes.syncer.store_format import (
     MANIFEST_FORMAT,
     TICKETS_FILE,
     FragmentRecord,
-    Key,
     StoreError,
     canonical,
     check_manifest,

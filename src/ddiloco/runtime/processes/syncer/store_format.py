@@ -20,13 +20,14 @@ import re
 import struct
 import zlib
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import msgpack
 import torch
 
 from ddiloco.core.codec import CodecSpec, decode_tensors, encode_tensors_chunks
+from ddiloco.core.fragment_state import FragmentState
 from ddiloco.errors import DDiLoCoError
 from ddiloco.runtime.run import RunSetup
 
@@ -39,29 +40,23 @@ CRC = struct.Struct("<I")
 _FP32 = CodecSpec("fp32")
 FRAGMENT_FILE = re.compile(r"fragment-(\d{4,})\.bin")
 
-Key = tuple[int, int, int]
-
 
 class StoreError(DDiLoCoError):
     """A durable file is missing, damaged, foreign or could not be written: the syncer must
     not start (or go on) from it. A torn write cannot happen; a torn journal tail is cut."""
 
 
-@dataclass
-class FragmentRecord:
-    """Everything the syncer must not lose about one fragment."""
+@dataclass(kw_only=True)
+class FragmentRecord(FragmentState):
+    """Everything the syncer must not lose about one fragment: its state (the core's
+    :class:`FragmentState`, what the simulated clock's checkpoints hold too) and where the run
+    stood when it was merged."""
 
     fragment: int
-    version: int
-    next_round_id: int
     global_step: int
     tokens: int
-    values: list[torch.Tensor]
-    outer: dict[str, Any]  # the outer optimizer's state_dict: ints, None, lists of tensors
-    applied: list[Key]  # answer keys merged into this fragment
-    merged_base: dict[tuple[int, int], int]  # (learner, incarnation) -> highest merged base
     ledger: dict[str, Any] | None = None  # the token ledger's plain state, with this merge
-    norm_window: list[float] = field(default_factory=list)  # robust merging's recent paces
+    ema: tuple[float | None, float | None] = (None, None)  # step-time, sync-time EMAs
 
 
 def fingerprint_of(setup: RunSetup) -> str:
@@ -139,6 +134,8 @@ def fragment_chunks(record: FragmentRecord, seq: int) -> Iterator[bytes]:
         "applied": [list(k) for k in record.applied],
         "merged_base": [[lrn, inc, b] for (lrn, inc), b in sorted(record.merged_base.items())],
         "norm_window": [float(v) for v in record.norm_window],
+        "merged_opened": record.merged_opened,
+        "ema": list(record.ema),
     }
     if record.ledger is not None:
         header["ledger"] = {"seq": seq, "state": record.ledger}
@@ -168,11 +165,22 @@ def fragment_of(
             merged_base={(a[0], a[1]): a[2] for a in header["merged_base"]},
             ledger=snapshot["state"],
             norm_window=[float(v) for v in header.get("norm_window", [])],
+            merged_opened=optional_int(header.get("merged_opened")),  # (None: an older file)
+            ema=ema_of(header.get("ema", [None, None])),
         ), snapshot["seq"]
     except StoreError:
         raise
     except Exception as exc:
         raise StoreError(where, type(exc).__name__, f"malformed header: {exc}") from None
+
+
+def optional_int(value: Any) -> int | None:
+    return None if value is None else int(value)
+
+
+def ema_of(value: Any) -> tuple[float | None, float | None]:
+    step, sync = value  # (a malformed one raises: the header is refused)
+    return (None if step is None else float(step)), (None if sync is None else float(sync))
 
 
 def _split_outer(state: dict[str, Any]) -> tuple[dict[str, Any], list[torch.Tensor]]:

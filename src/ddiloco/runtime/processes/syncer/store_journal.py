@@ -25,12 +25,13 @@ import torch
 
 from ddiloco.config import RunConfig
 from ddiloco.core.codec import decode_tensors
+from ddiloco.core.fragment_state import Key
 from ddiloco.core.fragments import gather
 from ddiloco.core.merge import tensor_norms, token_weight
 from ddiloco.core.outer import make_outer_optimizer
 from ddiloco.core.robust import scaled
 from ddiloco.core.syncer_state import MergeResult, SyncerConfig, merge_step
-from ddiloco.runtime.processes.syncer.store_format import CRC, HEAD, Key, StoreError
+from ddiloco.runtime.processes.syncer.store_format import CRC, HEAD, StoreError
 from ddiloco.runtime.run import RunSetup
 
 

@@ -1,0 +1,127 @@
+"""A learner's link (learner/link.py) against a real syncer socket, the test playing the
+service: answers stay pending until acknowledged and are pushed again to a restarted syncer,
+a rehello makes it register again, a merged fragment lands in its inbox and acknowledges the
+answers it merged, and a malformed message from the syncer is dropped, not obeyed."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+from test_liveness import linked  # noqa: F401  (the fixture: a syncer socket, a LIVE link)
+
+from ddiloco.core.codec import CodecSpec, encode_tensors
+from ddiloco.core.learner_state import Answer
+from ddiloco.core.rounds import AnswerMeta
+from ddiloco.runtime.processes import protocol
+from ddiloco.runtime.processes.launcher.fragments import free_port
+from ddiloco.runtime.processes.learner.link import LinkState, SyncerLink
+from ddiloco.runtime.processes.syncer.connections import Connections, Incoming
+from ddiloco.runtime.processes.transport.sockets import new_session
+from ddiloco.runtime.processes.transport.wire import Limits, Wire
+
+RUN, SECRET = "liveness", b"k" * 32
+
+
+def answer(seq: int, base: int = 0) -> Answer:
+    meta = AnswerMeta(0, 1, seq, 0, 3, base, seq + 1, 1, 64)
+    return Answer(meta, [torch.full((4,), float(seq))])
+
+
+def serve(conn: Connections, seconds: float, until: Callable[[list[Incoming]], bool]) -> list:
+    """Play the service for at most ``seconds``: welcome every hello; the messages taken."""
+    got: list[Incoming] = []
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and not until(got):
+        if not conn.poll(0.05):
+            continue
+        while (msg := conn.receive()) is not False:
+            if not isinstance(msg, Incoming):
+                continue
+            got.append(msg)
+            if msg.kind == "hello":
+                conn.send(0, "welcome", meta=protocol.Welcome(0, [0]).meta())
+                conn.beats = {0: True}
+    return got
+
+
+def kinds(got: list[Incoming], kind: str) -> list[Incoming]:
+    return [m for m in got if m.kind == kind]
+
+
+def send(conn: Connections, message: protocol.Message, **kw) -> None:
+    conn.send(0, message.KIND, meta=message.meta(), **kw)
+
+
+def test_answers_stay_pending_until_acknowledged_and_go_again_to_a_restarted_syncer():
+    address = f"127.0.0.1:{free_port('127.0.0.1')}"
+    conn = Connections(address, RUN, SECRET, 1, Limits(), shm=False)
+    wire = Wire(RUN, SECRET, "L0", new_session(), Limits())
+    link = SyncerLink(address, wire, 0, CodecSpec(), [[(4,)]], silence_seconds=1.0,
+                      beat_seconds=0.2)  # fmt: skip
+    link.start()
+    link.register(protocol.Hello(wire.session, 0, [0]))
+    restarted = None
+    try:
+        serve(conn, 10.0, lambda got: link.state is LinkState.LIVE)
+        for seq in (0, 1):
+            link.push(answer(seq))
+        got = serve(conn, 5.0, lambda got: len(kinds(got, "answer")) == 2)
+        assert [m.meta["seq"] for m in kinds(got, "answer")] == [0, 1]
+        assert sorted(link.pending) == [(0, 1, 0), (0, 1, 1)]
+        send(conn, protocol.Verdict((0, 1, 0), "stale"), fragment=0)  # answer 0 is judged
+        serve(conn, 2.0, lambda got: len(link.pending) == 1)
+        assert list(link.pending) == [(0, 1, 1)]
+        conn.close()  # the syncer dies; another life binds the same address
+        restarted = Connections(address, RUN, SECRET, 1, Limits(), shm=False)
+        got = serve(restarted, 15.0, lambda got: bool(kinds(got, "answer")))
+        assert kinds(got, "hello") and [m.meta["seq"] for m in kinds(got, "answer")] == [1]
+        assert link.reconnects >= 1 and link.fatal is None
+    finally:
+        link.close(0.1)
+        (restarted or conn).close()
+
+
+def test_a_rehello_makes_the_link_register_again(linked):  # noqa: F811
+    conn, link = linked
+    serve(conn, 0.3, lambda got: False)
+    send(conn, protocol.Rehello())
+    got = serve(conn, 5.0, lambda got: bool(kinds(got, "hello")))
+    assert kinds(got, "hello")[0].meta["inc"] == link.wire.session
+    serve(conn, 2.0, lambda got: link.state is LinkState.LIVE)
+    assert link.state is LinkState.LIVE  # welcomed again
+
+
+def test_a_merged_fragment_lands_in_the_inbox_and_acknowledges_what_it_merged(linked):  # noqa: F811
+    conn, link = linked
+    for seq in (0, 1, 2):
+        link.push(answer(seq, base=0 if seq < 2 else 1))
+    serve(conn, 5.0, lambda got: len(kinds(got, "answer")) == 3)
+    payload = encode_tensors([torch.full((4,), 9.0)], CodecSpec())
+    # it merged answer 1: answer 0 (same life, fragment and base) needs no re-push either
+    send(conn, protocol.Fragment(1, [(0, 1, 1)]), fragment=0, payload=payload)
+    serve(conn, 2.0, lambda got: len(link.pending) == 1)
+    assert list(link.pending) == [(0, 1, 2)]  # on a later base: still owed
+    version, values = link.take_inbox()[0]
+    assert version == 1 and torch.equal(values[0], torch.full((4,), 9.0))
+
+
+def test_a_malformed_message_from_the_syncer_is_dropped_not_obeyed(linked):  # noqa: F811
+    conn, link = linked
+    conn.send(0, "refused", meta={"why": ["not", "text"]})  # would stop the learner
+    conn.send(0, "welcome", meta={"global_step": -5, "versions": [0]})
+    serve(conn, 1.0, lambda got: link.wire.refused["meta"] >= 2)
+    assert link.wire.refused["meta"] == 2
+    assert link.fatal is None and link.state is LinkState.LIVE
+    assert link.welcome == protocol.Welcome(0, [0])  # the first, well-formed one
+    conn.send(0, "refused", meta={"why": "a newer process took this slot"})
+    serve(conn, 2.0, lambda got: link.fatal is not None)
+    assert link.state is LinkState.FAILED and "a newer process" in (link.fatal or "")
+
+
+def test_the_link_builds_every_syncer_kinds_handler():
+    link = SyncerLink("127.0.0.1:1", Wire(RUN, SECRET, "L0", 1, Limits()), 0, CodecSpec(),
+                      [[(4,)]])  # fmt: skip
+    assert set(link.handlers) == set(protocol.FROM_SYNCER)
+    link.wire.close()
