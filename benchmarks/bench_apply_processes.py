@@ -22,7 +22,7 @@ import json
 import time
 from pathlib import Path
 
-from ddiloco.commands.train import train
+from ddiloco import train
 from ddiloco.config import load_config
 from ddiloco.report.run_writer import eval_curves
 from ddiloco.report.summary import loss_at

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ddiloco.commands.train import train
+from ddiloco import train
 from ddiloco.config import load_config
 
 CONFIG = [

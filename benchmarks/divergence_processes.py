@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "integ
 
 from bases import SMALL
 
-from ddiloco.commands.train import train
+from ddiloco import train
 from ddiloco.config import load_config
 
 

@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from ddiloco.commands.train import train
+from ddiloco import train
 from ddiloco.config import load_config
 
 Run = tuple[str, list[str]]  # (label, --set overrides)

@@ -10,8 +10,8 @@ import sys
 from collections.abc import Sequence
 from types import ModuleType
 
-from ddiloco import __version__
 from ddiloco.errors import FATAL_EXIT, DDiLoCoError
+from ddiloco.version import __version__
 
 SERVICES = ("syncer", "learner")  # started by a supervisor, which must not restart them
 

@@ -12,10 +12,10 @@ import pytest
 import torch
 from bases import SMALL
 
+from ddiloco import train
 from ddiloco.checkpoints.format import steps_in
 from ddiloco.checkpoints.load import load_checkpoint
 from ddiloco.cli import main
-from ddiloco.commands.train import train
 from ddiloco.config import load_config
 from ddiloco.data.corpus import split_corpus
 from ddiloco.runtime.run import make_eval_batches

@@ -12,12 +12,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from ddiloco import train
 from ddiloco.checkpoints.format import equivalent_step, home_of, steps_in
 from ddiloco.checkpoints.load import load_checkpoint
 from ddiloco.cli import main
-from ddiloco.commands.train import run_method, train
 from ddiloco.config import RunConfig, load_config
 from ddiloco.data.corpus import split_corpus
+from ddiloco.launch import run_method
 from ddiloco.runtime.run import make_eval_batches
 from ddiloco.trainer import evaluate
 

@@ -15,7 +15,7 @@ import torch
 from bases import SMALL
 from hooks import kill_syncer_then_stop, kill_then_stop
 
-from ddiloco.commands.train import train
+from ddiloco import train
 from ddiloco.config import RunConfig, load_config
 from ddiloco.core.ledger import TokenLedger
 from ddiloco.report.summary import REQUIRED

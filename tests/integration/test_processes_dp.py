@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 import torch
 
+from ddiloco import train
 from ddiloco.chaos.plan import ChaosEvent
-from ddiloco.commands.train import train
 from ddiloco.config import load_config
 from ddiloco.errors import FATAL_EXIT, ConfigError
 from ddiloco.report.summary import REQUIRED

@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 from bases import SMALL
 
-from ddiloco.commands.train import train
+from ddiloco import train
 from ddiloco.config import load_config, to_toml
 from ddiloco.errors import FATAL_EXIT, DDiLoCoError
 from ddiloco.runtime.processes.launcher import fragments as launcher_module

@@ -24,8 +24,8 @@ from bases import SMALL
 from hooks import kill_syncer_then_stop, stop_after_recovery
 from rundir import records
 
+from ddiloco import train
 from ddiloco.chaos.plan import ChaosEvent
-from ddiloco.commands.train import train
 from ddiloco.config import RunConfig, load_config
 
 RAY = str(Path(sys.executable).with_name("ray"))
@@ -150,7 +150,7 @@ def on_cluster(cluster: LocalCluster, overrides: list[str]) -> RunConfig:
 
 def train_with_hook(config: RunConfig, out: Path, hook: Any, monkeypatch: Any) -> Any:
     """``ddiloco train``'s own path (run directory, summary), with ``hook`` on its launcher."""
-    import ddiloco.commands.train as command
+    import ddiloco.launch as command
 
     real = command.process_job
 

@@ -7,7 +7,8 @@ from typing import Any
 
 import pytest
 
-from ddiloco.commands.train import render, train
+from ddiloco import train
+from ddiloco.commands.train import render
 from ddiloco.config import RunConfig, load_config
 from ddiloco.data.corpus import eval_batches, split_corpus
 from ddiloco.report.summary import REQUIRED, loss_at
@@ -152,7 +153,7 @@ def test_train_writes_the_run_directory(tmp_path):
 
 
 def _run_method(splits, method: str, *overrides: str):
-    from ddiloco.commands.train import run_method
+    from ddiloco.launch import run_method
 
     config = load_config(None, [*BASE, *overrides])
     records: list[dict[str, Any]] = []

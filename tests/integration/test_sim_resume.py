@@ -18,10 +18,10 @@ from typing import Any
 import pytest
 from rundir import argv, records
 
+from ddiloco import train
 from ddiloco.chaos.plan import ChaosEvent
 from ddiloco.checkpoints.format import steps_in
 from ddiloco.cli import main
-from ddiloco.commands.train import train
 from ddiloco.config import load_config
 from ddiloco.runtime.sim.restart import carried_chaos
 

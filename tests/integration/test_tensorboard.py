@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ddiloco.commands.train import train
+from ddiloco import train
 from ddiloco.config import load_config
 
 event_accumulator = pytest.importorskip(

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from ddiloco.commands.train import train
+from ddiloco import train
 from ddiloco.config import load_config
 
 pytest.importorskip("wandb", reason="the W&B sink needs the extra: pip install 'ddiloco[wandb]'")

@@ -145,6 +145,21 @@ def test_runtimes_never_import_each_other(runtime):
     assert not bad, _report(bad, f"{here} imports another runtime")
 
 
+SHARED = ("checkpoints", "report", "methods", "data", "models", "chaos")
+
+
+@pytest.mark.parametrize("package", SHARED)
+def test_shared_packages_never_import_a_runtime(package):
+    # what every runtime uses must not depend on one (runtime.run, the run's assembly, and
+    # runtime.layout, where a run's files live, are shared themselves)
+    here = f"ddiloco.{package}"
+    runtimes = [f"ddiloco.runtime.{r}" for r in RUNTIMES]
+    bad = [
+        i for i in IMPORTS if _under(i.module, here) and any(_under(i.target, r) for r in runtimes)
+    ]
+    assert not bad, _report(bad, f"{here} imports a runtime")
+
+
 def test_the_cluster_simulator_never_imports_torch():
     bad = [i for i in IMPORTS if _under(i.module, "ddiloco.cluster") and _under(i.target, "torch")]
     assert not bad, _report(bad, "ddiloco.cluster imports torch")

@@ -17,6 +17,7 @@ from ddiloco.core.rounds import AnswerMeta
 from ddiloco.runtime.processes import protocol
 from ddiloco.runtime.processes.launcher.fragments import free_port
 from ddiloco.runtime.processes.learner.link import LinkState, SyncerLink
+from ddiloco.runtime.processes.learner.pending import PendingAnswers
 from ddiloco.runtime.processes.syncer.connections import Connections, Incoming
 from ddiloco.runtime.processes.transport.sockets import new_session
 from ddiloco.runtime.processes.transport.wire import Limits, Wire
@@ -125,3 +126,17 @@ def test_the_link_builds_every_syncer_kinds_handler():
                       [[(4,)]])  # fmt: skip
     assert set(link.handlers) == set(protocol.FROM_SYNCER)
     link.wire.close()
+
+
+def test_pending_answers_are_one_record_each_until_acknowledged():
+    pending = PendingAnswers(limit=3)
+    bases = [0, 0, 0, 1]  # answer 3 on a later base
+    entries = [pending.add(protocol.Answer(answer(s, bases[s]).meta), b"x") for s in range(4)]
+    assert list(pending) == [(0, 1, 1), (0, 1, 2), (0, 1, 3)]  # the oldest given up
+    entries[1].session, entries[2].session, entries[2].slot = 7, 7, b"slot-2"
+    assert pending.not_sent_to(7) == [(0, 1, 3)] and pending.slots() == {b"slot-2"}
+    assert pending.by_shared_memory() == [(0, 1, 2)] and pending.slots() == frozenset()
+    pending.unsent()
+    assert pending.not_sent_to(7) == list(pending)
+    assert pending.merged((0, 1, 2)) and list(pending) == [(0, 1, 3)]  # 1 too: base 0
+    assert not pending.merged((0, 1, 2))  # not ours any more

@@ -18,7 +18,7 @@ def gate(http: str = "127.0.0.1:0", actions: str = "auto") -> ActionGate:
 
 def sent(g: ActionGate) -> list[tuple[int, str, dict[str, str]]]:
     out: list[tuple[int, str, dict[str, str]]] = []
-    g.carry_out(lambda m, kind, meta: out.append((m, kind, meta)), lambda *a, **k: None)
+    g.carry_out(lambda m, msg: out.append((m, msg.KIND, msg.meta())), lambda *a, **k: None)
     return out
 
 

@@ -39,7 +39,7 @@ from ddiloco.models.hf import is_hf
 from ddiloco.trainer import evaluate
 
 if TYPE_CHECKING:
-    from ddiloco.checkpoints.recover import Recovered
+    from ddiloco.runtime.processes.recover import Recovered
 
 
 def add_source_arguments(parser: argparse.ArgumentParser, what: str) -> None:
@@ -88,7 +88,7 @@ def pick(
     method = pick_method(config, method)
     if step is not None and not store:
         return Source(checkpoint=find_checkpoint(path, method, step), method=method)
-    from ddiloco.checkpoints.recover import recover, state_of
+    from ddiloco.runtime.processes.recover import recover, state_of
 
     config = trusted_builder(config, model, path)
     steps = available(path, config)[method]

@@ -23,6 +23,7 @@ from typing import Any
 
 from ddiloco.commands import add_config_arguments
 from ddiloco.config import load_config, to_toml
+from ddiloco.runtime.layout import STORE
 from ddiloco.runtime.processes.transport.events import Events
 from ddiloco.runtime.processes.transport.sockets import load_secret, parse_address
 
@@ -80,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
     secret = load_secret(args.secret_file)
     setup = RunSetup(config, args.method)
     out = Path(args.out) if args.out else None
-    store = Path(args.store or (out / "syncer_state" if out else f"runs/{config.name}-syncer"))
+    store = Path(args.store or (out / STORE if out else f"runs/{config.name}-syncer"))
     t0 = args.t0 if args.t0 is not None else time.time()
     writer = None
     if out is not None:  # a run directory of our own (a restart appends to it)

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ddiloco.config import RunConfig, SyncConfig
+from ddiloco.config import RUNTIMES, RunConfig, SyncConfig
 
 FRAGMENTS = "fragments"
 DATA_PARALLEL = "data_parallel"
@@ -21,6 +21,7 @@ class Method:
     sync: SyncConfig  # the fragment-sync knobs this method runs with (the config's, adjusted)
     waits_for_merge: bool = False  # lock-step: wait for a fragment tau steps after pushing it
     elastic: bool = False  # data-parallel: shrink and grow on failures instead of restarting
+    runtimes: tuple[str, ...] = RUNTIMES  # where it runs (``config.RUNTIMES``' names)
 
     @property
     def fragments(self) -> bool:

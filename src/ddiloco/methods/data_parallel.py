@@ -9,8 +9,10 @@ from ddiloco.methods.base import DATA_PARALLEL, Method
 
 
 def data_parallel(config: RunConfig) -> Method:
-    return Method("data_parallel", DATA_PARALLEL, config.sync)
+    # a torchrun job on real processes; not on Ray yet
+    return Method("data_parallel", DATA_PARALLEL, config.sync, runtimes=("sim", "processes"))
 
 
 def elastic_dp(config: RunConfig) -> Method:
-    return Method("elastic_dp", DATA_PARALLEL, config.sync, elastic=True)
+    # shrinking and growing a real job is torchft's work: the simulated clock only
+    return Method("elastic_dp", DATA_PARALLEL, config.sync, elastic=True, runtimes=("sim",))

@@ -53,6 +53,7 @@ from ddiloco.config import RunConfig, load_config
 from ddiloco.data.corpus import BatchStream
 from ddiloco.data.info import bits_per_byte
 from ddiloco.errors import FATAL_EXIT, ConfigError, DDiLoCoError
+from ddiloco.runtime import layout
 from ddiloco.runtime.processes.state_file import StateFile
 from ddiloco.runtime.processes.transport.events import Events
 from ddiloco.runtime.run import RunSetup
@@ -142,7 +143,7 @@ class DPWorker:
         wait = timedelta(seconds=config.processes.give_up_seconds + frozen)
         backend = "nccl" if self.device.type == "cuda" else "gloo"
         dist.init_process_group(backend, timeout=wait)
-        self.dir = out / "checkpoints"
+        self.dir = out / layout.ROLLBACK
         self.run_dir = run if run is not None else out.parent.parent  # <run>/processes/<method>
         self.writer: CheckpointWriter | None = None  # rank 0's, once resumed
         t = dataclasses.replace(config.train, device=str(self.device))

@@ -53,6 +53,7 @@ from ddiloco.errors import ConfigError
 from ddiloco.methods import method_for
 from ddiloco.report.run_writer import note_status_url
 from ddiloco.report.summary import syncer_summary
+from ddiloco.runtime.layout import STORE
 from ddiloco.runtime.processes.launcher.devices import (
     GPU_ENV,
     assign_gpus,
@@ -110,12 +111,6 @@ class Launcher(Supervisor):
             why = "not a fragment method: a data-parallel baseline runs as a torchrun job (dp_job)"
             raise ConfigError("methods", method, why)
 
-    @staticmethod
-    def home_of(out: Path, method: str) -> Path:
-        # decoupled keeps <run>/processes/; every other method a folder of its own (a syncer
-        # store is one method's: another method's syncer would refuse it)
-        return out / "processes" if method == "decoupled" else out / "processes" / method
-
     def prepare(self) -> None:
         config = self.config
         self.connect()
@@ -129,7 +124,7 @@ class Launcher(Supervisor):
             train=replace(config.train, device=learner_device(config.train.device)),
         )
         self.config_path.write_text(to_toml(child), encoding="utf-8")
-        self.store = self.home / "syncer_state"
+        self.store = self.home / STORE
         self.env[SECRET_ENV] = self.run_secret(self.home / "run.secret").hex()
         self.summary: dict[str, Any] | None = None
         self.learner_done: dict[int, dict[str, Any]] = {}

@@ -39,6 +39,7 @@ from typing import IO, Any
 from ddiloco.chaos.plan import ChaosEvent
 from ddiloco.config import RunConfig
 from ddiloco.errors import ConfigError
+from ddiloco.runtime.layout import processes_home
 from ddiloco.runtime.processes.launcher.supervision import (
     RestartPolicy,
     Verdict,
@@ -64,7 +65,7 @@ class Supervisor:
     """Children, their events, timers and signals for one method's run (see the module).
 
     Construction order: :meth:`refuse` (a method this supervisor cannot run, before anything
-    is written), the base's state and ``home`` (:meth:`home_of`), then the subclass's
+    is written), the base's state and ``home`` (``runtime/layout.py``), then the subclass's
     :meth:`prepare`. Subclasses do not override ``__init__``."""
 
     def __init__(
@@ -83,7 +84,7 @@ class Supervisor:
         self.method = method
         self.out = out
         self.emit = emit
-        self.home = self.home_of(out, method)  # config, logs and state of this method's run
+        self.home = processes_home(out, method)  # config, logs and state of this method's run
         self.logs = self.home / "logs"
         self.logs.mkdir(parents=True, exist_ok=True)
         self.run_id = f"{config.name}-{secrets.token_hex(4)}"
@@ -113,11 +114,6 @@ class Supervisor:
     @staticmethod
     def refuse(config: RunConfig, method: str) -> None:
         """Raise a ConfigError if this supervisor cannot run ``method`` with ``config``."""
-
-    @staticmethod
-    def home_of(out: Path, method: str) -> Path:
-        """Where this method's processes keep their config, logs and state."""
-        return out / "processes" / method
 
     def prepare(self) -> None:
         """The subclass's own state (called last by ``__init__``)."""

@@ -53,6 +53,7 @@ from ddiloco.core.codec import CodecSpec, encode_tensors
 from ddiloco.core.learner_state import Answer
 from ddiloco.errors import DDiLoCoError
 from ddiloco.runtime.processes import protocol
+from ddiloco.runtime.processes.learner.pending import Key, PendingAnswers
 from ddiloco.runtime.processes.transport.auth import HandshakeWatch, present
 from ddiloco.runtime.processes.transport.ratelog import RateLimitedLog
 from ddiloco.runtime.processes.transport.sockets import Backoff, Socket, configure
@@ -68,8 +69,6 @@ from ddiloco.runtime.processes.transport.wire import (
 )
 
 log = logging.getLogger(__name__)
-
-Key = tuple[int, int, int]
 
 
 KILLED_EXIT = 1  # a learner killed from the status page exits as a crashed one (restarted)
@@ -127,15 +126,12 @@ class SyncerLink(threading.Thread):
         self.watch: HandshakeWatch | None = None
         self.failed_handshakes = 0  # not for our credentials: a restart, or not a syncer
         self.last_welcome = time.monotonic()  # since when we have been without a syncer
-        self.max_pending = max_pending
         self.backoff = Backoff(0.2, 2.0)
         self.outbox: queue.SimpleQueue[Outgoing] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._asks: dict[int, int] = {}
         self._inbox: dict[int, tuple[int, list[Any]]] = {}
-        self.pending: dict[Key, tuple[protocol.Answer, bytes]] = {}  # until acknowledged
-        self.sent_to: dict[Key, int | None] = {}  # the syncer session an answer went to
-        self.slots: dict[Key, bytes] = {}  # shared-memory reference of each pending answer
+        self.pending = PendingAnswers(max_pending)  # until the syncer acknowledges each
         self.status: protocol.Hello | None = None  # what a hello says (training thread's)
         self.state = LinkState.UNREGISTERED
         self.welcome: protocol.Welcome | None = None
@@ -420,28 +416,27 @@ class SyncerLink(threading.Thread):
     def _answer(self, answer: Answer) -> None:
         message = protocol.Answer(answer.meta, self._totals())
         payload = encode_tensors(answer.delta, self.codec)
-        self.pending[answer.meta.key] = (message, payload)
-        while len(self.pending) > self.max_pending:
-            self._forget(next(iter(self.pending)))
+        self.pending.add(message, payload)
         if self.state is LinkState.LIVE:
-            self._send_answer(message, payload)
+            self._send_answer(message.answer.key)
 
-    def _send_answer(self, message: protocol.Answer, payload: bytes) -> None:
-        """An answer stays pending until the syncer acknowledges it (a verdict, or its key
-        in a merged fragment): so does the shared-memory slot it went in, which the next
+    def _send_answer(self, key: Key) -> None:
+        """Send a pending answer (:mod:`.pending`): it stays pending until the syncer
+        acknowledges it, and so does the shared-memory slot it went in, which the next
         answers must not overwrite (the syncer may not have read it yet)."""
-        key = message.answer.key
+        entry = self.pending[key]
+        answer = entry.message.answer
         parts = self._send(
-            message,
-            fragment=message.answer.fragment,
-            round=message.answer.round_id,
-            payload=payload,
-            busy=frozenset(self.slots.values()),
+            entry.message,
+            fragment=answer.fragment,
+            round=answer.round_id,
+            payload=entry.payload,
+            busy=self.pending.slots(),
         )
         if parts is not None:
-            self.sent_to[key] = self.syncer_session
+            entry.session = self.syncer_session
             if PREFIX.unpack_from(parts[0], 0)[2] & FLAG_SHM:
-                self.slots[key] = bytes(parts[1])
+                entry.slot = bytes(parts[1])
 
     def _handle(self, frames: list[zmq.Frame]) -> None:
         try:
@@ -486,7 +481,7 @@ class SyncerLink(threading.Thread):
             self._asks[h.fragment] = max(h.round, self._asks.get(h.fragment, h.round))
 
     def _on_verdict(self, verdict: protocol.Verdict, h: Header, _: memoryview) -> None:
-        self._forget(verdict.key)
+        self.pending.forget(verdict.key)
         self._judged(verdict.verdict)
 
     def _on_welcome(self, welcome: protocol.Welcome, h: Header, _: memoryview) -> None:
@@ -496,7 +491,7 @@ class SyncerLink(threading.Thread):
         if self.carry is not None:  # trained tokens first, then the answers they back
             self._progress(dataclasses.replace(self.carry, tokens=0, rebased=[]))
         # a restarted syncer lost what was sent to its earlier life
-        self._resend([key for key in self.pending if self.sent_to.get(key) != h.session])
+        self._resend(self.pending.not_sent_to(h.session))
 
     def _on_beat(self, beat: protocol.Beat, h: Header, _: memoryview) -> None:
         if not beat.live:  # the syncer no longer waits for us: say hello to be waited for
@@ -519,7 +514,7 @@ class SyncerLink(threading.Thread):
         again, inline (else each stays pending, unmerged, until a syncer restart)."""
         if self.wire.shm is None:
             return
-        by_shm = [key for key in self.pending if key in self.slots]
+        by_shm = self.pending.by_shared_memory()
         log.warning(
             "learner %d: the syncer cannot read our /dev/shm; sending inline (%d pending "
             "answers again)",
@@ -528,7 +523,6 @@ class SyncerLink(threading.Thread):
         )
         self.wire.shm.close()
         self.wire.shm = None
-        self.slots.clear()
         self._resend(by_shm)
 
     def _judged(self, verdict: str) -> None:
@@ -565,13 +559,13 @@ class SyncerLink(threading.Thread):
         were dropped unread, so a live link says hello again and re-pushes its answers."""
         self._send(protocol.Proof(nonce[:64]))
         if self.state is LinkState.LIVE and session == self.syncer_session:
-            self.sent_to.clear()  # (a re-push the syncer did see is recognised, not re-applied)
+            self.pending.unsent()  # (a re-push the syncer did see is recognised, not re-applied)
             self._rehello()
 
     def _resend(self, keys: list[Key]) -> None:
         """Send pending answers again: the syncer never read them."""
         for key in keys:
-            self._send_answer(*self.pending[key])
+            self._send_answer(key)
 
     def _on_fragment(self, fragment: protocol.Fragment, h: Header, payload: memoryview) -> None:
         p, version = h.fragment, fragment.version
@@ -590,17 +584,5 @@ class SyncerLink(threading.Thread):
         # merged answers, and older ones of the same life, fragment and base (superseded
         # or now "base already merged"), need no re-push
         for k in fragment.keys:
-            pending = self.pending.get(k)
-            if pending is None:
-                continue
-            self.invalid_in_a_row = self.resyncs = 0  # one of ours was merged
-            frag, base = pending[0].answer.fragment, pending[0].answer.base_version
-            for key, (message, _) in list(self.pending.items()):
-                a = message.answer
-                if key[:2] == k[:2] and a.fragment == frag and a.base_version <= base:
-                    self._forget(key)
-
-    def _forget(self, key: Key) -> None:
-        self.pending.pop(key, None)
-        self.sent_to.pop(key, None)
-        self.slots.pop(key, None)
+            if self.pending.merged(k):
+                self.invalid_in_a_row = self.resyncs = 0  # one of ours was merged

@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ddiloco.checkpoints.write import CheckpointWriter
+from ddiloco.runtime.layout import processes_home
 from ddiloco.runtime.run import RunSetup
 
 
@@ -16,12 +17,10 @@ def checkpoint_writer(
     """The syncer's checkpoint writer: into ``run`` when given, else into the run directory
     the launcher put the store in (``<run>/processes[/<method>]/syncer_state``), else (a
     syncer started by hand) beside the store, in ``<store>-checkpoints/``."""
-    from ddiloco.runtime.processes.launcher.fragments import Launcher
-
     method = setup.method_name
     if run is None:
         run = next(
-            (r for r in store.parents if Launcher.home_of(r, method) / store.name == store), None
+            (r for r in store.parents if processes_home(r, method) / store.name == store), None
         )
     if run is None:
         return CheckpointWriter(

@@ -23,13 +23,10 @@ from ddiloco.core.fragments import scatter
 from ddiloco.core.syncer_state import SyncerState
 from ddiloco.errors import ConfigError
 from ddiloco.methods import method_for
-from ddiloco.runtime.processes.launcher.data_parallel import DataParallelJob
+from ddiloco.runtime.layout import STORE, processes_home, rollback_checkpoints, syncer_store
 from ddiloco.runtime.processes.launcher.data_parallel_worker import latest, read_checkpoint
-from ddiloco.runtime.processes.launcher.fragments import Launcher
 from ddiloco.runtime.processes.syncer.store import SyncerStore, fingerprint_of, restore
 from ddiloco.runtime.run import RunSetup
-
-STORE = "syncer_state"  # in a fragment method's processes home (the launcher's name)
 
 
 @dataclass
@@ -45,9 +42,9 @@ class Recovered:
 def state_of(run: Path, config: RunConfig, method: str) -> Path | None:
     """Where ``method``'s processes kept the global model in run ``run``, if they did."""
     if method_for(config, method).fragments:
-        store = Launcher.home_of(run, method) / STORE
+        store = syncer_store(run, method)
         return store if store.is_dir() else None
-    found = latest(DataParallelJob.home_of(run, method) / "checkpoints")
+    found = latest(rollback_checkpoints(run, method))
     return found[1] if found else None
 
 
@@ -56,7 +53,7 @@ def recover(run: Path, config: RunConfig, method: str) -> Recovered:
     looked) when there is none."""
     source = state_of(run, config, method)
     if source is None:
-        where = Launcher.home_of(run, method) if method_for(config, method).fragments else run
+        where = processes_home(run, method) if method_for(config, method).fragments else run
         why = "no syncer store or data-parallel checkpoint to recover the model from"
         raise ConfigError("run", str(where), why)
     setup = RunSetup(config, method)
