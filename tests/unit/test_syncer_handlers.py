@@ -132,7 +132,8 @@ def test_peers_are_the_learners_that_trained_the_furthest_first(service, monkeyp
     monkeypatch.setattr(service, "send", lambda m, msg, **_: sent.append((m, msg.KIND, msg.meta())))
     for m, step in {0: 0, 1: 0, 2: 7, 3: 12}.items():
         service.syncer.join(m, step)
-    monkeypatch.setattr(service, "addresses", {m: f"127.0.0.1:{4000 + m}" for m in range(4)})
+    for m in range(4):
+        service.roster.hello(m, 5, f"127.0.0.1:{4000 + m}")
     service.on_peers(0, {}, memoryview(b""))
     service.on_peers(3, {}, memoryview(b""))
     assert sent[0][:2] == (0, "peers") and sent[0][2]["peers"]["3"] == "127.0.0.1:4003"

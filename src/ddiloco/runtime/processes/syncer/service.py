@@ -61,6 +61,7 @@ from ddiloco.runtime.processes.syncer.checkpoints import checkpoint_writer
 from ddiloco.runtime.processes.syncer.connections import Connections, Incoming
 from ddiloco.runtime.processes.syncer.evaluator import Evaluator
 from ddiloco.runtime.processes.syncer.restore import restore_service
+from ddiloco.runtime.processes.syncer.roster import Roster
 from ddiloco.runtime.processes.syncer.status import StatusBoard, StatusServer, snapshot_of
 from ddiloco.runtime.processes.syncer.store import (
     SyncerStore,
@@ -155,13 +156,11 @@ class SyncerService:
         self.tokens_per_step = setup.tokens_per_step * self.config.processes.ranks
         self.step_slack = 2 * sync.sync_every + 8  # a hello's step beyond the credited ones
         self.budget = StepBudget()
-        self.budget_incarnations: dict[int, int] = {}  # learner -> the life its budget is of
         self.totals = RunningTotals(self.plan.num_fragments)  # a lost report costs nothing
         self.ledger.max_missed = int(
             self.tokens_per_step * self.budget.bootstrap_rate * self.budget.horizon
         )
-        self.incarnations: dict[int, int] = {}  # learner -> incarnation it registered with
-        self.addresses: dict[int, str] = {}  # learner -> peer-recovery address
+        self.roster = Roster()  # each learner slot: its life, address, budget, presence
         self.attendance = Attendance(sync.quorum, detect_seconds)
         self.bytes_received = 0
         self.resent = Throttle(1.0)  # (learner, fragment): a fragment sent again
@@ -224,7 +223,7 @@ class SyncerService:
             self.conn.handshakes.drain()
             self.check_liveness(now)
             self.store.save_ledger(self.ledger.to_state())  # narrows what a crash loses
-            self.roster()
+            self.update_beats()
             self.status.publish(snapshot_of(self, now))
         if finishing:
             return
@@ -350,12 +349,10 @@ class SyncerService:
         self.totals.start(m, inc, from_zero=self.ledger.lives.get(m) != inc)
         self.ledger.joined(m, inc, step, versions)  # a new life: what the old one held is lost
         self.account_uptime(now)
-        self.attendance.back(m, restarted=self.incarnations.get(m, inc) != inc)
-        self.incarnations[m] = inc
-        self.addresses[m] = hello.peer
-        if self.budget_incarnations.get(m) != inc:  # a life the budget has not seen: from
-            self.budget_incarnations[m] = inc  # where the ledger counted it (a restored
-            restored = m in self.ledger.spans_restart  # life), or its first report's tokens
+        self.attendance.back(m, restarted=self.roster.hello(m, inc, hello.peer))
+        if self.roster.new_budget_life(m, inc):  # a life the budget has not seen: from
+            # where the ledger counted it (a restored life), or its first report's tokens
+            restored = m in self.ledger.spans_restart
             self.budget.join(
                 m, self.ledger.last_step[m][0] if restored else None, now, ceiling=step
             )
@@ -366,7 +363,7 @@ class SyncerService:
         for p, version in enumerate(self.syncer.versions):
             if version > int(versions[p]):
                 self.send_fragment([m], p, version, self.syncer.fragments[p], [])
-        self.roster()
+        self.update_beats()
         self.events("joined", learner=m, incarnation=inc, step=step)
 
     def ahead_of_store(self, m: int, versions: list[int]) -> str | None:
@@ -417,11 +414,11 @@ class SyncerService:
         """A learner's link says it is alive while it sends nothing else (a long step, an
         evaluation): :meth:`handle` has noted it; nothing else to do."""
 
-    def roster(self) -> None:
+    def update_beats(self) -> None:
         """Who the network thread beats, and whether each is waited for (one that is not
         says hello again)."""
         live = self.syncer.live
-        self.conn.beats = {m: m in live for m in self.incarnations}
+        self.conn.beats = {m: m in live for m in self.roster.registered()}
 
     def on_inline(self, m: int, inline: protocol.Inline, _: memoryview) -> None:
         """Learner ``m`` cannot read our shared-memory slots: send it payloads inline, the
@@ -446,11 +443,11 @@ class SyncerService:
         broadcast), so the newcomer refuses a snapshot that claims one."""
         live = self.syncer.live
         ahead = sorted((k for k in live if k != m), key=lambda k: (-live[k], k))
-        peers = {str(k): self.addresses[k] for k in ahead if self.addresses.get(k)}
+        peers = {str(k): self.roster.address(k) for k in ahead if self.roster.address(k)}
         self.send(m, protocol.Peers(peers, list(self.syncer.versions)))
 
     def on_progress(self, m: int, report: protocol.Progress, _: memoryview) -> None:
-        if self.incarnations.get(m) != report.incarnation:
+        if self.roster.life(m) != report.incarnation:
             self.send(m, protocol.Rehello())
             return
         inc = report.incarnation
@@ -480,7 +477,7 @@ class SyncerService:
 
     def on_answer(self, m: int, message: protocol.Answer, payload: memoryview) -> None:
         answer, totals = message.answer, message.totals
-        if answer.learner != m or self.incarnations.get(m) != answer.incarnation:
+        if answer.learner != m or self.roster.life(m) != answer.incarnation:
             self.send(
                 m, protocol.Rehello()
             )  # from a life this syncer has not registered: re-push later
@@ -541,8 +538,8 @@ class SyncerService:
         self.account_uptime(self.events.now())
         self.syncer.leave(m, self.events.now())
         self.ledger.crashed(m, LEFT)
-        self.incarnations.pop(m, None)
-        self.roster()
+        self.roster.bye(m)
+        self.update_beats()
         self.events("left", learner=m, why=bye.why)
 
     def verdict(self, m: int, answer: AnswerMeta, verdict: str) -> None:
@@ -609,9 +606,10 @@ class SyncerService:
             self.account_uptime(now)
         for m in late:
             self.syncer.leave(m, now)
+            self.roster.given_up(m)
             self.events("detected", learner=m)
         if late:
-            self.roster()
+            self.update_beats()
         self.poll()
 
     def account_uptime(self, now: float) -> None:
@@ -638,7 +636,7 @@ class SyncerService:
         self.conn.handshakes.drain()
         now = self.events.now()
         self.account_uptime(now)
-        for m in list(self.incarnations):
+        for m in self.roster.registered():
             self.send(m, protocol.Stop())
         self.evaluator.wait()  # the run's result is evaluated last, here
         final = self.setup.eval_loss(self.syncer.fragments)
@@ -654,7 +652,7 @@ class SyncerService:
         self.events("summary", **summary)
         for _ in range(3):  # stop is not acknowledged: say it a few times
             time.sleep(0.1)
-            for m in list(self.incarnations):
+            for m in self.roster.registered():
                 self.send(m, protocol.Stop())
         self.conn.close()
         return summary

@@ -30,6 +30,7 @@ from ddiloco.errors import ConfigError
 from ddiloco.runtime.processes.syncer.actions import ActionGate, body_of
 from ddiloco.runtime.processes.syncer.attendance import Attendance
 from ddiloco.runtime.processes.syncer.connections import Connections
+from ddiloco.runtime.processes.syncer.roster import Roster
 from ddiloco.runtime.processes.syncer.status_http import (
     GuardedHTTPServer,
     Limits,
@@ -111,8 +112,7 @@ class Observed(Protocol):
     actions: ActionGate
     status: StatusBoard
     tokens: int
-    incarnations: dict[int, int]
-    addresses: dict[int, str]
+    roster: Roster
 
 
 def snapshot_of(svc: Observed, now: float) -> dict[str, Any]:
@@ -120,17 +120,16 @@ def snapshot_of(svc: Observed, now: float) -> dict[str, Any]:
     live, attendance = svc.syncer.live, svc.attendance
     ledger = svc.ledger.summary()
     learners = []
-    for m in sorted(set(svc.incarnations) | set(attendance.down_since)):
-        up = m in live
-        state = "up" if up else ("down" if m in attendance.down_since else "left")
+    for member in svc.roster.members():  # (one record per slot: roster.py)
+        m = member.learner
         heard = attendance.last_heard.get(m)
         learners.append(
             {
                 "learner": m,
-                "state": state,
+                "state": member.presence.value,
                 "step": live.get(m),
-                "incarnation": str(svc.incarnations.get(m, "")),
-                "address": svc.addresses.get(m, ""),
+                "incarnation": "" if member.incarnation is None else str(member.incarnation),
+                "address": member.address,
                 "silent_seconds": None if heard is None else round(now - heard, 3),
                 "last_merged": svc.status.last_merged.get(m),
             }
