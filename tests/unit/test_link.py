@@ -140,3 +140,32 @@ def test_pending_answers_are_one_record_each_until_acknowledged():
     assert pending.not_sent_to(7) == list(pending)
     assert pending.merged((0, 1, 2)) and list(pending) == [(0, 1, 3)]  # 1 too: base 0
     assert not pending.merged((0, 1, 2))  # not ours any more
+
+
+def test_the_syncers_orders_outlive_a_reconnect_and_a_stop_wakes_a_waiter(linked):  # noqa: F811
+    conn, link = linked
+    send(conn, protocol.Ask(final=True), fragment=0, round=4)
+    send(conn, protocol.Leave("an operator"))
+    serve(conn, 2.0, lambda got: link.asked_to_leave)
+    assert link.finishing and link.asked_to_leave and link.take_asks() == {0: 4}
+    send(conn, protocol.Rehello())  # back to saying hello (nobody welcomes): orders kept
+    deadline = time.monotonic() + 5.0
+    while link.state is not LinkState.HELLO and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert link.finishing and link.asked_to_leave and not link.await_welcome(0.1)
+    send(conn, protocol.Stop())
+    assert link.await_welcome(5.0)  # a stop ends the wait for a welcome: there is none
+    assert link.stopped and link.state is LinkState.STOPPED
+
+
+def test_await_welcome_times_out_while_no_syncer_answers():
+    address = f"127.0.0.1:{free_port('127.0.0.1')}"  # nobody listens
+    wire = Wire(RUN, SECRET, "L0", new_session(), Limits())
+    link = SyncerLink(address, wire, 0, CodecSpec(), [[(4,)]])
+    link.start()
+    link.register(protocol.Hello(wire.session, 0, [0]))
+    try:
+        assert not link.await_welcome(0.3)
+        assert link.state is LinkState.HELLO and not link.stopped
+    finally:
+        link.close(0.1)

@@ -22,7 +22,9 @@ LIVE (welcomed by the current syncer life; a rehello, a new syncer session or a 
 it back to HELLO), STOPPED (the syncer said ``stop``: the run is over, and the syncer closes
 its socket while this learner finishes its step; its silence then is no reason to reconnect),
 FAILED (the learner must stop; :attr:`SyncerLink.fatal` says why). STOPPED and FAILED are
-final. The
+final. What the syncer told that outlives a connection (the final rounds began, an operator
+asked this learner to leave) is kept as :class:`Order` values. Both change in one method each, under
+one condition the training thread waits on (:meth:`SyncerLink.await_welcome`). The
 training thread hands it the protocol's messages (``protocol.Progress``, ``Hello``, ``Bye``,
 ``AskPeers``; an answer as a :class:`Push`, encoded here) through one queue, so their order is
 kept. What the syncer sends is parsed into its message class (every field checked: a
@@ -84,6 +86,18 @@ class LinkState(Enum):
     FAILED = "failed"
 
 
+SETTLED = (LinkState.LIVE, LinkState.STOPPED, LinkState.FAILED)  # past saying hello
+FINAL = (LinkState.STOPPED, LinkState.FAILED)
+
+
+class Order(Enum):
+    """What the syncer ordered this learner that outlives a connection (kept across
+    reconnects; the training thread reads it between two steps)."""
+
+    FINISH = "finish"  # a final ask came: the syncer's final rounds, train no more
+    LEAVE = "leave"  # an operator asked this learner to leave
+
+
 @dataclass(frozen=True)
 class Push:
     """An answer to encode, send, and keep until the syncer acknowledges it."""
@@ -133,15 +147,13 @@ class SyncerLink(threading.Thread):
         self._inbox: dict[int, tuple[int, list[Any]]] = {}
         self.pending = PendingAnswers(max_pending)  # until the syncer acknowledges each
         self.status: protocol.Hello | None = None  # what a hello says (training thread's)
-        self.state = LinkState.UNREGISTERED
+        self.state = LinkState.UNREGISTERED  # changed by _enter only, under _changed
+        self.orders: set[Order] = set()  # added to by _order only, under _changed
+        self._changed = threading.Condition()  # whoever waits on the state wakes on a change
         self.welcome: protocol.Welcome | None = None
-        self.welcomed = threading.Event()  # set in LIVE, STOPPED, FAILED: whoever waits, wakes
-        self.stopped = threading.Event()  # set in STOPPED
-        self.asked_to_leave = threading.Event()
-        self.finishing = threading.Event()  # a final ask came: the syncer's final rounds
-        self._closing = threading.Event()
+        self._closing = threading.Event()  # close(): the thread's own end, not the link's
         self._peers: queue.SimpleQueue[Peers] = queue.SimpleQueue()
-        self._asking_peers = threading.Event()  # a request_peers call is waiting
+        self._asking_peers = False  # a request_peers call is waiting
         self.syncer_session: int | None = None
         self.reconnects = 0
         self.invalid_in_a_row = 0  # answers the syncer refused as invalid since one was not
@@ -178,7 +190,27 @@ class SyncerLink(threading.Thread):
             "no_shm": self._on_no_shm,
         }
 
-    # -- the training thread's side (never blocks) ----------------------------------------
+    # -- the training thread's side (never blocks, but await_welcome) -----------------------
+    @property
+    def stopped(self) -> bool:
+        """The syncer said stop: the run is over."""
+        return self.state is LinkState.STOPPED
+
+    @property
+    def finishing(self) -> bool:
+        """The syncer's final rounds began (set before their first ask is handed over)."""
+        return Order.FINISH in self.orders
+
+    @property
+    def asked_to_leave(self) -> bool:
+        return Order.LEAVE in self.orders
+
+    def await_welcome(self, timeout: float | None = None) -> bool:
+        """Wait until the link is past saying hello: LIVE, or final (STOPPED, FAILED: there
+        is no welcome to wait for); False if ``timeout`` passed first."""
+        with self._changed:
+            return self._changed.wait_for(lambda: self.state in SETTLED, timeout)
+
     def progress(self, report: protocol.Progress) -> None:
         self.outbox.put(report)
 
@@ -207,7 +239,7 @@ class SyncerLink(threading.Thread):
         deadline = time.monotonic() + timeout
         while not self._peers.empty():  # answers to an earlier ask (sent again): stale now
             self._peers.get_nowait()
-        self._asking_peers.set()
+        self._asking_peers = True
         try:
             while time.monotonic() < deadline and self.fatal is None:
                 self.outbox.put(protocol.AskPeers())
@@ -218,7 +250,7 @@ class SyncerLink(threading.Thread):
                     continue
             return protocol.Peers({})
         finally:
-            self._asking_peers.clear()
+            self._asking_peers = False
 
     def close(self, flush_seconds: float = 0.5) -> None:
         """Stop the thread once it has sent what is queued (a goodbye, the last progress),
@@ -302,16 +334,18 @@ class SyncerLink(threading.Thread):
         self._enter(LinkState.FAILED)  # whoever waits for a welcome wakes: there is none
 
     def _enter(self, state: LinkState) -> None:
-        """The one place the state changes (and the events follow it)."""
-        if self.state in (LinkState.STOPPED, LinkState.FAILED):
-            return  # final
-        self.state = state
-        if state is LinkState.STOPPED:
-            self.stopped.set()
-        if state in (LinkState.LIVE, LinkState.STOPPED, LinkState.FAILED):
-            self.welcomed.set()
-        else:
-            self.welcomed.clear()
+        """The one place the state changes (whoever waits on it wakes)."""
+        with self._changed:
+            if self.state in FINAL:
+                return
+            self.state = state
+            self._changed.notify_all()
+
+    def _order(self, order: Order) -> None:
+        """The one place what the syncer ordered is kept."""
+        with self._changed:
+            self.orders.add(order)
+            self._changed.notify_all()
 
     def _rehello(self) -> None:
         """Back to saying hello (if registered): the syncer does not know this life."""
@@ -382,7 +416,7 @@ class SyncerLink(threading.Thread):
             elif isinstance(item, protocol.Progress):
                 self._progress(item)
             elif isinstance(item, protocol.Hello):
-                if self.state in (LinkState.STOPPED, LinkState.FAILED):
+                if self.state in FINAL:
                     continue  # final: the run is over, or this learner must stop
                 if self.state is not LinkState.LIVE:
                     self._enter(LinkState.HELLO)
@@ -470,13 +504,13 @@ class SyncerLink(threading.Thread):
             self.syncer_session = h.session
             if h.kind not in ("welcome", "rehello"):
                 self._rehello()
-            if self._asking_peers.is_set():  # our ask went to no session: it was not read
+            if self._asking_peers:  # our ask went to no session: it was not read
                 self._send(protocol.AskPeers())
         handler(message, h, msg.payload)
 
     def _on_ask(self, ask: protocol.Ask, h: Header, _: memoryview) -> None:
         if ask.final:  # the run's end: train no more, answer, wait for the stop
-            self.finishing.set()
+            self._order(Order.FINISH)
         with self._lock:  # an older round's ask overtaken on the way is obsolete
             self._asks[h.fragment] = max(h.round, self._asks.get(h.fragment, h.round))
 
@@ -499,7 +533,7 @@ class SyncerLink(threading.Thread):
 
     def _on_leave(self, leave: protocol.Leave, h: Header, _: memoryview) -> None:
         log.warning("learner %d: asked to leave by %s", self.learner, leave.why[:200])
-        self.asked_to_leave.set()
+        self._order(Order.LEAVE)
 
     def _on_kill(self, kill: protocol.Kill, h: Header, _: memoryview) -> None:
         log.error("learner %d: killed by %s (a crash on purpose)", self.learner, kill.why[:200])

@@ -233,7 +233,7 @@ class LearnerProcess:
             in_sync = self.ranks.agree(self.checksum())
             if self.ranks.leader and self.link.fatal is not None:
                 raise ConfigError("syncer", self.link.address, self.link.fatal)
-            if self.ranks.leader and not self.link.stopped.is_set():  # leaving on our own
+            if self.ranks.leader and not self.link.stopped:  # leaving on our own
                 self.link.bye(self.leaving_why())
                 self.events("leave", learner=self.m)
             if self.saves.every > 0:  # a stopped run resumes from where it stopped
@@ -267,8 +267,8 @@ class LearnerProcess:
     def await_welcome(self) -> bool:
         """Wait for the first welcome (a link that gives up sets it too); False if told to
         stop or to leave first: the run ended, or was stopped, before a syncer let us in."""
-        while not self.link.welcomed.wait(0.1):
-            if self.leaving.is_set() or self.link.stopped.is_set():
+        while not self.link.await_welcome(0.1):
+            if self.leaving.is_set() or self.link.stopped:
                 return False
         return True
 
@@ -294,7 +294,7 @@ class LearnerProcess:
         """Why this learner leaves on its own (its goodbye says it; the syncer logs it)."""
         if self.leaving.is_set():
             return "SIGTERM"
-        if self.link.asked_to_leave.is_set():
+        if self.link.asked_to_leave:
             return "asked to leave by an operator"
         if self.max_steps and self.sync.step >= self.max_steps:
             return f"its step limit ({self.max_steps})"
@@ -303,9 +303,9 @@ class LearnerProcess:
     def should_stop(self) -> bool:
         """Rank 0's call: the syncer said stop, we were asked to leave (SIGTERM, or an
         operator through the syncer), or our time is up."""
-        if self.link.stopped.is_set() or self.link.fatal is not None:
+        if self.link.stopped or self.link.fatal is not None:
             return True
-        if self.leaving.is_set() or self.link.asked_to_leave.is_set():
+        if self.leaving.is_set() or self.link.asked_to_leave:
             return True
         if self.leave_after and time.monotonic() - self.started >= self.leave_after:
             return True
@@ -348,7 +348,7 @@ class LearnerProcess:
         stop = wait = False
         if self.ranks.leader:
             asks = self.link.take_asks()
-            final = self.link.finishing.is_set()  # (set before a final ask is handed over)
+            final = self.link.finishing  # (set before a final ask is handed over)
             for answer in self.boundary.answers(asks, params, step_end, final):
                 self.link.push(answer)
                 answered.append(answer.meta.fragment)
@@ -356,7 +356,7 @@ class LearnerProcess:
             applies = [(p, v, vals) for p, (v, vals) in sorted(inbox.items())]
             self.rebased.extend(self.boundary.apply(inbox, params))
             # the syncer's final rounds: no more steps, only answers, until the stop
-            wait = self.boundary.must_wait() or self.link.finishing.is_set()
+            wait = self.boundary.must_wait() or self.link.finishing
             stop = self.should_stop()
         stop, wait, applies, answered = self.ranks.share_boundary(
             stop, wait, applies, self.shapes, answered
@@ -384,7 +384,7 @@ class LearnerProcess:
             if self.rebased or now - last_report >= KEEPALIVE_SECONDS:
                 self.report(0)
                 last_report = now
-            if now >= warn_at and self.ranks.leader and not self.link.finishing.is_set():
+            if now >= warn_at and self.ranks.leader and not self.link.finishing:
                 log.warning(
                     "learner %d: waiting %.0fs for merged fragments %s (lock-step: a "
                     "merge waits for every learner)",
@@ -477,7 +477,7 @@ class LearnerProcess:
             return
         # nobody to copy: the syncer's global fragments, fresh inner state, the global step
         self.link.register(self.status())
-        self.link.welcomed.wait()  # a welcome, or the link gives up (it then says why)
+        self.link.await_welcome()  # a welcome, or the link gives up (it then says why)
         if self.link.fatal is not None:
             return
         welcome = self.link.welcome or protocol.Welcome(0, [])

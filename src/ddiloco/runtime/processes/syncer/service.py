@@ -71,6 +71,7 @@ from ddiloco.runtime.processes.syncer.store import (
 )
 from ddiloco.runtime.processes.syncer.summary import service_summary
 from ddiloco.runtime.processes.syncer.totals import RunningTotals
+from ddiloco.runtime.processes.syncer.view import view_of
 from ddiloco.runtime.processes.transport.events import Events
 from ddiloco.runtime.processes.transport.ratelog import Throttle
 from ddiloco.runtime.processes.transport.tickets import TicketBook
@@ -224,7 +225,7 @@ class SyncerService:
             self.check_liveness(now)
             self.store.save_ledger(self.ledger.to_state())  # narrows what a crash loses
             self.update_beats()
-            self.status.publish(snapshot_of(self, now))
+            self.status.publish(snapshot_of(view_of(self, now)))
         if finishing:
             return
         if self.next_eval <= self.tokens < budget:  # at the budget: finish() evaluates
@@ -647,8 +648,9 @@ class SyncerService:
         for m in sorted({*self.attendance.down_since, *self.ledger.absent()}):
             self.ledger.crashed(m, CRASH)
         self.ledger.close()
-        self.status.publish(snapshot_of(self, now))
-        summary = service_summary(self, final, now)
+        view = view_of(self, now)
+        self.status.publish(snapshot_of(view))
+        summary = service_summary(view, final)
         self.events("summary", **summary)
         for _ in range(3):  # stop is not acknowledged: say it a few times
             time.sleep(0.1)

@@ -21,22 +21,18 @@ import logging
 import re
 import threading
 from http.server import BaseHTTPRequestHandler
-from typing import Any, Protocol
+from typing import Any
 
-from ddiloco.config import RunConfig
-from ddiloco.core.restart_ledger import RestartLedger
-from ddiloco.core.syncer_state import MergeResult, SyncerState
+from ddiloco.core.syncer_state import MergeResult
 from ddiloco.errors import ConfigError
 from ddiloco.runtime.processes.syncer.actions import ActionGate, body_of
-from ddiloco.runtime.processes.syncer.attendance import Attendance
-from ddiloco.runtime.processes.syncer.connections import Connections
-from ddiloco.runtime.processes.syncer.roster import Roster
 from ddiloco.runtime.processes.syncer.status_http import (
     GuardedHTTPServer,
     Limits,
     Refusals,
     allowed_host,
 )
+from ddiloco.runtime.processes.syncer.view import SyncerView
 from ddiloco.runtime.processes.transport.sockets import parse_address
 
 log = logging.getLogger(__name__)
@@ -100,57 +96,37 @@ class StatusBoard:
         return body
 
 
-class Observed(Protocol):
-    """What a status snapshot reads of the service (``SyncerService`` is one; nothing else
-    is read, and this module never imports the service)."""
-
-    config: RunConfig
-    syncer: SyncerState
-    ledger: RestartLedger
-    attendance: Attendance
-    conn: Connections
-    actions: ActionGate
-    status: StatusBoard
-    tokens: int
-    roster: Roster
-
-
-def snapshot_of(svc: Observed, now: float) -> dict[str, Any]:
-    """The service's state as plain data (call it on the service's thread)."""
-    live, attendance = svc.syncer.live, svc.attendance
-    ledger = svc.ledger.summary()
-    learners = []
-    for member in svc.roster.members():  # (one record per slot: roster.py)
-        m = member.learner
-        heard = attendance.last_heard.get(m)
-        learners.append(
-            {
-                "learner": m,
-                "state": member.presence.value,
-                "step": live.get(m),
-                "incarnation": "" if member.incarnation is None else str(member.incarnation),
-                "address": member.address,
-                "silent_seconds": None if heard is None else round(now - heard, 3),
-                "last_merged": svc.status.last_merged.get(m),
-            }
-        )
+def snapshot_of(view: SyncerView) -> dict[str, Any]:
+    """What the page serves: the view as plain data."""
+    learners = [
+        {
+            "learner": v.learner,
+            "state": v.presence,
+            "step": v.step,
+            "incarnation": "" if v.incarnation is None else str(v.incarnation),
+            "address": v.address,
+            "silent_seconds": v.silent_seconds,
+            "last_merged": None if v.last_merged is None else dict(v.last_merged),
+        }
+        for v in view.learners
+    ]
     return {
-        "run": svc.status.run_id,
-        "t": round(now, 3),
-        "tokens": svc.tokens,
-        "budget": svc.config.train.tokens,
-        "global_step": svc.syncer.global_step,
-        "rounds": svc.syncer.counts.get("merged_rounds", 0),
-        "versions": list(svc.syncer.versions),
+        "run": view.run,
+        "t": round(view.t, 3),
+        "tokens": view.tokens,
+        "budget": view.budget,
+        "global_step": view.global_step,
+        "rounds": view.answers.get("merged_rounds", 0),
+        "versions": list(view.versions),
         "learners": learners,
         "ledger": {
-            "tokens_merged": ledger["tokens_merged"],
-            "tokens_wasted": ledger["tokens_wasted"],
-            "balanced": bool(ledger["balanced"]) and not svc.ledger.errors,
+            "tokens_merged": view.ledger["tokens_merged"],
+            "tokens_wasted": view.ledger["tokens_wasted"],
+            "balanced": bool(view.ledger["balanced"]) and not view.ledger_errors,
         },
-        "refused": dict(sorted(svc.conn.wire.refused.items())),
-        "answers": dict(sorted(svc.syncer.counts.items())),
-        "actions": {"enabled": svc.actions.enabled, **svc.actions.counts},
+        "refused": dict(view.refused),
+        "answers": dict(view.answers),
+        "actions": dict(view.actions),
     }
 
 
