@@ -68,16 +68,18 @@ def heterogeneity(tokens: int) -> list[Run]:
     ]
     return [
         ("K=8 lock-step", [*base, "methods=['decoupled_sync']"]),
-        ("K=8, never waiting", [*base, "sync.quorum=8", "sync.grace=false"]),
-        ("K=1, no grace", [*base, "sync.quorum=1", "sync.grace=false"]),
-        ("K=1 + adaptive grace", [*base, "sync.quorum=1", "sync.grace=true"]),
+        ("K=8, never waiting", [*base, "sync.rounds.quorum=8", "sync.rounds.grace=false"]),
+        ("K=1, no grace", [*base, "sync.rounds.quorum=1", "sync.rounds.grace=false"]),
+        ("K=1 + adaptive grace", [*base, "sync.rounds.quorum=1", "sync.rounds.grace=true"]),
     ]
 
 
 def codecs(tokens: int) -> list[Run]:
     """Exp. 5: wire formats of the outer gradients."""
     base = decoupled_alone(tokens)
-    return [(c, [*base, f"sync.codec={c}"]) for c in ("bf16", "int8", "int4", "int2", "int1")]
+    return [
+        (c, [*base, f"sync.codec.answers={c}"]) for c in ("bf16", "int8", "int4", "int2", "int1")
+    ]
 
 
 def fragmentation(tokens: int) -> list[Run]:
@@ -103,7 +105,7 @@ def rda(tokens: int) -> list[Run]:
             runs.append(
                 (
                     f"{rule}, outer lr {lr}",
-                    [*base, f"sync.merge_rule={rule}", f"sync.outer_lr={lr}"],
+                    [*base, f"sync.merge_rule={rule}", f"sync.outer.lr={lr}"],
                 )
             )
     return runs
@@ -223,7 +225,7 @@ def apply_rules(tokens: int) -> list[Run]:
     for link, extra in (("fast", []), ("far", [SLOW_LINK])):
         for tau in (1, 2, 4):
             for rule in ("overwrite", "blend", "carry"):
-                sets = [*base, f"sync.overlap={tau}", f"sync.apply='{rule}'", *extra]
+                sets = [*base, f"sync.rounds.overlap={tau}", f"sync.apply='{rule}'", *extra]
                 runs.append((f"{rule}, tau={tau}, {link} link", sets))
     return runs
 

@@ -14,17 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from ddiloco.chaos.plan import LINK_KINDS, ChaosEvent, ChaosGenerators
-from ddiloco.core.codec import CodecSpec
-from ddiloco.core.grace import GraceConfig
-from ddiloco.core.learner_state import APPLY_RULES
-from ddiloco.core.outer import OuterConfig
-from ddiloco.core.plans import PARTITIONS, FragmentPlan, build_plan, tensor_specs
-from ddiloco.core.robust import RobustConfig
-from ddiloco.core.rounds import RoundConfig
-from ddiloco.core.syncer_state import SyncerConfig
+from ddiloco.config_sync import DiLoCoConfig, StreamingConfig, SyncConfig, move_flat_keys
 from ddiloco.errors import require
 from ddiloco.typed_toml import build, read_toml, set_override
 
@@ -106,106 +97,6 @@ class TrainConfig:
             "must be >= 0",
         )
         require(self.lr > 0, "train.lr", self.lr, "must be > 0")
-
-
-@dataclass(frozen=True)
-class SyncConfig:
-    """The Decoupled DiLoCo algorithm's knobs (docs/design.md §3, defaults §9)."""
-
-    fragments: int = 12  # P
-    sync_every: int = 12  # H
-    partition: str = "balanced"  # how parameters split into fragments
-    split_rows: bool = True
-    overlap: int = 2  # tau
-    quorum: int = 1  # K
-    max_staleness: int = 1
-    grace: bool = True
-    grace_gamma: float = 0.5
-    grace_cap_steps: float = 1.0
-    apply: str = "overwrite"  # how a merged fragment meets local progress (core/learner_state.py)
-    blend: float = 0.5  # alpha of apply = "blend"
-    merge_rule: str = "rda"
-    outer_lr: float = 1.0  # Decoupled's outer step: the merged delta as it is (decision 83)
-    outer_momentum: float = 0.0  # (the paper's Nesterov: 0.5 and 0.9; docs/design.md §3.9)
-    outer_optimizer: str = "nesterov"  # nesterov, sgd, delayed_nesterov (core/outer.py)
-    outer_delay: int = 1  # delayed_nesterov: momentum refreshed every this many outer steps
-    outer_follows_schedule: bool = True  # momentum in units of the inner lr (core/outer.py)
-    mean_outer_lr: float = 0.7  # outer lr of the plain-mean baselines (docs/design.md §3.9)
-    mean_outer_momentum: float = 0.9  # their Nesterov momentum, as DiLoCo publishes it
-    diloco_inner_steps: int = 12  # H of the DiLoCo baseline
-    codec: str = "bf16"  # learner -> syncer
-    broadcast_codec: str = "bf16"  # syncer -> learners
-    codec_block: int = 128
-    # robust merging (docs/security.md): weights from the ledger's credit, bounded norms
-    robust: bool = True
-    norm_clip: float = 4.0  # clip an answer to this x the median pace (norm/sqrt(steps))
-    norm_refuse: float = 32.0  # refuse one faster than this x that median
-    norm_window: int = 32  # recent merged paces per fragment the median is taken over
-    norm_warmup: int = 3  # samples before the median judges (the absurd bound holds always)
-    norm_absurd: float = 4.0  # refuse an answer longer than this x ||Theta_p||
-
-    def __post_init__(self) -> None:
-        require(
-            self.partition in PARTITIONS, "sync.partition", self.partition, f"known: {PARTITIONS}"
-        )
-        require(self.apply in APPLY_RULES, "sync.apply", self.apply, f"known: {APPLY_RULES}")
-        require(0.0 < self.blend < 1.0, "sync.blend", self.blend, "must be in (0, 1)")
-        require(  # (a blend set before sync.apply existed would otherwise be ignored)
-            self.apply == "blend" or self.blend == SyncConfig.blend,
-            "sync.blend",
-            self.blend,
-            f"is used only by sync.apply = 'blend' (sync.apply is {self.apply!r})",
-        )
-        require(self.mean_outer_lr > 0.0, "sync.mean_outer_lr", self.mean_outer_lr, "must be > 0")
-        require(
-            0.0 <= self.mean_outer_momentum < 1.0,
-            "sync.mean_outer_momentum",
-            self.mean_outer_momentum,
-            "must be in [0, 1)",
-        )
-        self.rounds()
-        self.outer()
-        self.robust_config()
-        self.codec_spec()
-        self.broadcast_spec()
-
-    def fragment_plan(self, model: torch.nn.Module) -> FragmentPlan:
-        """The plan both runtimes use for ``model`` (rows split only in balanced plans)."""
-        return build_plan(
-            tensor_specs(model),
-            self.fragments,
-            self.partition,
-            sync_every=self.sync_every,
-            split_rows=self.split_rows and self.partition == "balanced",
-        )
-
-    def syncer_config(self) -> SyncerConfig:
-        return SyncerConfig(self.rounds(), self.merge_rule, self.outer(), self.robust_config())
-
-    def robust_config(self) -> RobustConfig:
-        return RobustConfig(
-            self.robust,
-            self.norm_clip,
-            self.norm_refuse,
-            self.norm_window,
-            self.norm_warmup,
-            self.norm_absurd,
-        )
-
-    def rounds(self) -> RoundConfig:
-        grace = GraceConfig(self.grace, self.grace_gamma, self.grace_cap_steps)
-        return RoundConfig(self.quorum, self.max_staleness, self.overlap, grace)
-
-    def outer(self) -> OuterConfig:
-        return OuterConfig(
-            self.outer_optimizer, self.outer_lr, self.outer_momentum, self.outer_delay
-        )
-
-    def codec_spec(self) -> CodecSpec:
-        return CodecSpec(self.codec, self.codec_block)
-
-    def broadcast_spec(self) -> CodecSpec:
-        return CodecSpec(self.broadcast_codec, self.codec_block)
 
 
 @dataclass(frozen=True)
@@ -395,6 +286,8 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     sync: SyncConfig = field(default_factory=SyncConfig)
+    diloco: DiLoCoConfig = field(default_factory=DiLoCoConfig)
+    streaming: StreamingConfig = field(default_factory=StreamingConfig)
     hardware: HardwareConfig = field(default_factory=HardwareConfig)
     network: NetworkConfig = field(default_factory=NetworkConfig)
     data_parallel: DataParallelConfig = field(default_factory=DataParallelConfig)
@@ -424,9 +317,9 @@ class RunConfig:
                 f"no such learner slot (train.learners + train.scavenged = {slots})",
             )
         require(
-            self.sync.quorum <= self.train.learners,
-            "sync.quorum",
-            self.sync.quorum,
+            self.sync.rounds.quorum <= self.train.learners,
+            "sync.rounds.quorum",
+            self.sync.rounds.quorum,
             f"K must be <= train.learners ({self.train.learners})",
         )
         self._check_ports(slots)
@@ -461,7 +354,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     data: dict[str, Any] = read_toml(path) if path is not None else {}
     for item in overrides or []:
         set_override(data, item)
-    return typing.cast(RunConfig, build(RunConfig, data))
+    return typing.cast(RunConfig, build(RunConfig, move_flat_keys(data)))
 
 
 def to_toml(config: RunConfig) -> str:
@@ -476,10 +369,17 @@ def to_toml(config: RunConfig) -> str:
             continue
         else:
             lines.append(f"{f.name} = {_toml_value(value)}")
-    for name, table in tables:
+    while tables:  # (a table's own tables follow it: [sync], then [sync.rounds], ...)
+        name, table = tables.pop(0)
         lines.append(f"\n[{name}]")
+        inner = []
         for f in dataclasses.fields(table):
-            lines.append(f"{f.name} = {_toml_value(getattr(table, f.name))}")
+            value = getattr(table, f.name)
+            if dataclasses.is_dataclass(value):
+                inner.append((f"{name}.{f.name}", value))
+            else:
+                lines.append(f"{f.name} = {_toml_value(value)}")
+        tables[:0] = inner
     for event in config.chaos:
         lines.append("\n[[chaos]]")
         for f in dataclasses.fields(event):

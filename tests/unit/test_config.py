@@ -18,7 +18,7 @@ def test_overrides_are_typed_toml_values():
     cfg = load_config(
         None, ["sync.quorum=2", "sync.codec=int4", "hardware.speed=[1, 1, 1.18, 1.18]"]
     )
-    assert cfg.sync.quorum == 2 and cfg.sync.codec == "int4"
+    assert cfg.sync.rounds.quorum == 2 and cfg.sync.codec.answers == "int4"
     assert cfg.hardware.speed == (1.0, 1.0, 1.18, 1.18)
 
 
@@ -35,7 +35,7 @@ def test_shipped_configs_load_and_round_trip_through_toml(tmp_path, name):
     [
         ("sync.quorun=2", "sync.quorun"),
         ("train.learners=0", "train.learners"),
-        ("sync.quorum=9", "sync.quorum"),
+        ("sync.quorum=9", "sync.rounds.quorum"),  # (named as it is now)
         ("sync.codec=int3", "codec"),
         ("sync.partition=random", "sync.partition"),
         ("train.tokens=lots", "train.tokens"),
@@ -93,13 +93,13 @@ def test_decoupled_applies_the_merged_delta_as_is_and_the_baselines_their_publis
 
     config = load_config(None, [])
     sync = method_for(config, "decoupled").sync
-    assert (sync.outer_lr, sync.outer_momentum) == (1.0, 0.0)  # decision 83
+    assert (sync.outer.lr, sync.outer.momentum) == (1.0, 0.0)  # decision 83
     for name in ("diloco", "streaming"):
         sync = method_for(config, name).sync
-        assert (sync.merge_rule, sync.outer_lr, sync.outer_momentum) == ("mean", 0.7, 0.9)
+        assert (sync.merge_rule, sync.outer.lr, sync.outer.momentum) == ("mean", 0.7, 0.9)
     as_is = load_config(None, ["sync.mean_outer_lr=1.0", "sync.mean_outer_momentum=0.0"])
-    assert method_for(as_is, "diloco").sync.outer().momentum == 0.0
-    with pytest.raises(ConfigError, match=r"sync\.mean_outer_momentum"):
+    assert method_for(as_is, "diloco").sync.outer.momentum == 0.0
+    with pytest.raises(ConfigError, match=r"diloco\.outer_momentum"):  # (its name now)
         load_config(None, ["sync.mean_outer_momentum=1.0"])
 
 
@@ -112,3 +112,39 @@ def test_fixed_peer_ports_that_take_the_syncers_or_the_proxys_port_are_refused()
         load_config(None, [*ray, "processes.proxy='drop=0.01'"])
     load_config(None, ray)  # no proxy on Ray, or not Ray: 6001 is free
     load_config(None, [bind, "train.learners=2", "processes.peer_port=6001"])
+
+
+def test_the_sync_tables_nest_as_the_core_is_built_and_the_flat_keys_still_load(tmp_path):
+    nested = load_config(
+        None,
+        [
+            "sync.rounds.quorum=2",
+            "sync.rounds.grace=false",
+            "sync.outer.lr=0.5",
+            "sync.outer.momentum=0.9",
+            "sync.robust.norm_clip=8.0",
+            "sync.codec.answers='int4'",
+            "sync.codec.block=64",
+            "diloco.inner_steps=20",
+            "diloco.outer_lr=0.5",
+            "streaming.outer_lr=0.5",
+        ],
+    )
+    flat = tmp_path / "old.toml"  # a config (or a run's config.toml) of an earlier version
+    flat.write_text(
+        "[sync]\nquorum = 2\ngrace = false\nouter_lr = 0.5\nouter_momentum = 0.9\n"
+        'norm_clip = 8.0\ncodec = "int4"\ncodec_block = 64\ndiloco_inner_steps = 20\n'
+    )
+    old = load_config(flat, ["sync.mean_outer_lr=0.5"])
+    assert old == nested  # (the flat mean_outer_lr feeds both baselines' tables)
+    core = nested.sync.syncer_config()
+    assert core.rounds.quorum == 2 and not core.rounds.grace.enabled
+    assert (core.outer.lr, core.outer.momentum, core.robust.norm_clip) == (0.5, 0.9, 8.0)
+    assert nested.sync.codec.answers_spec().block_size == 64
+    assert "\n[sync.rounds]\nquorum = 2\n" in to_toml(nested)
+    with pytest.raises(ConfigError, match=r"given twice: as sync\.quorum and as sync\.rounds"):
+        load_config(None, ["sync.quorum=2", "sync.rounds.quorum=3"])
+    with pytest.raises(ConfigError, match=r"as sync\.mean_outer_lr and as diloco\.outer_lr"):
+        load_config(None, ["sync.mean_outer_lr=0.5", "diloco.outer_lr=0.7"])
+    with pytest.raises(ConfigError, match=r"sync\.rounds\.quorom.*unknown key"):
+        load_config(None, ["sync.rounds.quorom=2"])

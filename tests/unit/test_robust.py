@@ -10,7 +10,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ddiloco.config import SyncConfig, load_config
+from ddiloco.config import load_config
+from ddiloco.config_sync import RobustMergeConfig, SyncConfig
 from ddiloco.core.ledger import OUTLIER, TokenLedger
 from ddiloco.core.merge import tensor_norms, token_weight
 from ddiloco.core.outer import OuterConfig, make_outer_optimizer
@@ -506,7 +507,7 @@ def test_the_sync_config_passes_the_knobs_and_refuses_bad_ones():
         {"norm_absurd": 0.0},
     ):
         with pytest.raises(ConfigError):
-            SyncConfig(**bad)  # type: ignore[arg-type]
+            RobustMergeConfig(**bad)  # type: ignore[arg-type]
 
 
 def test_pace_is_norm_over_root_steps():

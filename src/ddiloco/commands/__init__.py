@@ -4,7 +4,7 @@ import argparse
 
 
 def add_config_arguments(
-    parser: argparse.ArgumentParser, config_help: str, example: str = "sync.quorum=2"
+    parser: argparse.ArgumentParser, config_help: str, example: str = "sync.rounds.quorum=2"
 ) -> None:
     """``--config FILE`` and repeatable ``--set key=value``: how every command takes a config."""
     parser.add_argument("--config", help=config_help)

@@ -3,10 +3,11 @@ helpers they share. The package (``ddiloco.methods``) holds the registry of meth
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import Any
 
-from ddiloco.config import RUNTIMES, RunConfig, SyncConfig
+from ddiloco.config import RUNTIMES
+from ddiloco.config_sync import MeanStepConfig, SyncConfig
 
 FRAGMENTS = "fragments"
 DATA_PARALLEL = "data_parallel"
@@ -28,13 +29,9 @@ class Method:
         return self.family == FRAGMENTS
 
 
-def published_mean_step(config: RunConfig) -> dict[str, Any]:
-    """The plain-mean baselines' merge and outer step as DiLoCo and Streaming DiLoCo publish
-    them (a plain average; Nesterov at ``sync.mean_outer_lr`` and ``mean_outer_momentum``):
-    ``SyncConfig`` fields to replace."""
-    sync = config.sync
-    return {
-        "merge_rule": "mean",
-        "outer_lr": sync.mean_outer_lr,
-        "outer_momentum": sync.mean_outer_momentum,
-    }
+def published_mean_step(sync: SyncConfig, mean: MeanStepConfig) -> SyncConfig:
+    """``sync`` with a plain-mean baseline's merge and outer step, as DiLoCo and Streaming
+    DiLoCo publish them: a plain average, the outer step at the method table's ``outer_lr`` and
+    ``outer_momentum`` (``[diloco]``, ``[streaming]``)."""
+    outer = dataclasses.replace(sync.outer, lr=mean.outer_lr, momentum=mean.outer_momentum)
+    return dataclasses.replace(sync, merge_rule="mean", outer=outer)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 from ddiloco.config import RunConfig
 from ddiloco.methods.base import FRAGMENTS, Method
 
@@ -17,5 +15,5 @@ def decoupled_sync(config: RunConfig) -> Method:
     """The synchronous corner (K = M): the same fragments, weights and RDA, but every merge
     waits for all learners and each learner waits for its merged fragment tau steps after
     pushing it, so a straggler idles everyone (the paper's "K = 8" row)."""
-    sync = dataclasses.replace(config.sync, quorum=config.train.learners, grace=False)
+    sync = config.sync.replace_rounds(quorum=config.train.learners, grace=False)
     return Method("decoupled_sync", FRAGMENTS, sync, waits_for_merge=True)

@@ -86,7 +86,7 @@ class RunSetup:
 
     def outer_schedule(self) -> Callable[[int], float] | None:
         """The schedule the syncer's outer momentum follows; None: plain outer steps."""
-        return self.lr_factor if self.method.sync.outer_follows_schedule else None
+        return self.lr_factor if self.method.sync.outer.follows_schedule else None
 
     @cached_property
     def splits(self) -> TokenSplits:

@@ -87,12 +87,12 @@ class FragmentSim(SimRun):
         self.bytes_down = 0
         self.bytes_peer = 0
         self.wakes: set[float] = set()
-        self.uptime = Uptime(self.sync.quorum)  # virtual time with >= K learners up
+        self.uptime = Uptime(self.sync.rounds.quorum)  # virtual time with >= K learners up
         self.idle_seconds = 0.0  # lock-step waiting, summed over learners
 
     def boundary_of(self, sync: LearnerSync) -> StepBoundary:
         return StepBoundary(
-            sync, overlap=self.sync.overlap, waits_for_merge=self.method.waits_for_merge
+            sync, overlap=self.sync.rounds.overlap, waits_for_merge=self.method.waits_for_merge
         )
 
     # -- the run ----------------------------------------------------------------------------
@@ -177,7 +177,7 @@ class FragmentSim(SimRun):
         params = node.trainer.params()
         for answer in node.boundary.answers(node.asks, params, step_end):
             meta = answer.meta
-            payload = encode_tensors(answer.delta, self.sync.codec_spec())
+            payload = encode_tensors(answer.delta, self.sync.codec.answers_spec())
             self.ledger.answered(node.id, meta.fragment, meta.key, meta.c_tokens)
             self.bytes_up += len(payload)
             arrival = self.network.up(node.id, self.clock.now, len(payload))
@@ -275,7 +275,7 @@ class FragmentSim(SimRun):
         rnd = result.round
         fragment_bytes = sum(t.numel() * 4 for t in result.tensors)
         merge_seconds = fragment_bytes * max(len(rnd.answers), 1) / SYNCER_BYTES_PER_SECOND
-        payload = encode_tensors(result.tensors, self.sync.broadcast_spec())
+        payload = encode_tensors(result.tensors, self.sync.codec.broadcast_spec())
         values = decode_tensors(payload)  # what every learner receives
         last = now + merge_seconds
         for m in sorted(self.syncer.live):
@@ -297,7 +297,7 @@ class FragmentSim(SimRun):
 
     def send_latest(self, node: Node, p: int) -> None:
         """The syncer sends fragment p's current version to one learner (a newcomer)."""
-        payload = encode_tensors(self.syncer.fragments[p], self.sync.broadcast_spec())
+        payload = encode_tensors(self.syncer.fragments[p], self.sync.codec.broadcast_spec())
         self.bytes_down += len(payload)
         arrival = self.network.down(node.id, self.clock.now, len(payload))
         self.clock.at(

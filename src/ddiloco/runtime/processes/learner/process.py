@@ -134,7 +134,7 @@ class LearnerProcess:
             blend=sync.blend,
         )
         self.boundary = StepBoundary(
-            self.sync, overlap=sync.overlap, waits_for_merge=setup.method.waits_for_merge
+            self.sync, overlap=sync.rounds.overlap, waits_for_merge=setup.method.waits_for_merge
         )
         shapes = [[tuple(t.shape) for t in frag] for frag in self.sync.bases]
         self.shapes = shapes
@@ -151,7 +151,7 @@ class LearnerProcess:
             syncer,
             wire,
             learner,
-            sync.codec_spec(),
+            sync.codec.answers_spec(),
             shapes,
             silence_seconds=config.processes.detect_seconds,  # as long as the syncer waits
             beat_seconds=min(1.0, config.processes.detect_seconds / 4),

@@ -162,7 +162,7 @@ class SyncerService:
             self.tokens_per_step * self.budget.bootstrap_rate * self.budget.horizon
         )
         self.roster = Roster()  # each learner slot: its life, address, budget, presence
-        self.attendance = Attendance(sync.quorum, detect_seconds)
+        self.attendance = Attendance(sync.rounds.quorum, detect_seconds)
         self.bytes_received = 0
         self.resent = Throttle(1.0)  # (learner, fragment): a fragment sent again
         self.asked_again = Throttle(0.2)  # ... asked again in a final round
@@ -593,7 +593,7 @@ class SyncerService:
         tensors: list[torch.Tensor],
         keys: list[tuple[int, int, int]],
     ) -> int:
-        payload = encode_tensors(tensors, self.setup.method.sync.broadcast_spec())
+        payload = encode_tensors(tensors, self.setup.method.sync.codec.broadcast_spec())
         for m in to:
             self.send(m, protocol.Fragment(version, keys), fragment=p, payload=payload)
         return len(payload)
