@@ -52,6 +52,14 @@ def test_a_processes_run_checkpoints_and_exports_from_its_store(tmp_path, capsys
         assert evaluate(final.model, batches) == pytest.approx(s["eval_loss"], abs=1e-4)
         assert s["eval_bpb"] == pytest.approx(s["eval_loss"] / 0.6931471805599453)
     assert summaries["decoupled"]["checkpoint_writes"]["checkpoint_failed"] == 0
+    # the syncer holds the run secret: its checkpoints are authenticated (the DP job's are
+    # digested only), and eval of the run checks them under the secret the run keeps
+    assert "mac" in load_checkpoint(run / summaries["decoupled"]["checkpoint"]).manifest
+    assert "mac" not in load_checkpoint(run / summaries["data_parallel"]["checkpoint"]).manifest
+    assert main(["eval", str(run), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["eval_loss"] == pytest.approx(
+        summaries["decoupled"]["eval_loss"], abs=1e-4
+    )
 
     # the syncer's store holds the global model of the last merge: the final checkpoint's
     assert main(["export", str(run), "--store", "--out", str(tmp_path / "store")]) == 0

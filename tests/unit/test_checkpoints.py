@@ -241,3 +241,52 @@ def test_weights_holding_nan_or_infinity_are_refused_even_with_the_digests_fixed
     with pytest.raises(CheckpointError, match="NaN or infinite") as info:
         load_checkpoint(path)
     assert "model.safetensors" in str(info.value) and name in str(info.value)
+
+
+def test_in_a_run_holding_its_secret_a_checkpoint_is_authenticated_not_only_digested(tmp_path):
+    # the processes' syncer authenticates every manifest under a key derived from the run
+    # secret; eval / export / sample of a run that keeps the secret require it (issue 29)
+    from safetensors.torch import load_file, save_file
+
+    from ddiloco.checkpoints.format import MAC, digest, manifest_key
+    from ddiloco.commands.export import pick
+    from ddiloco.runtime.layout import run_secret
+
+    secret = os.urandom(32)
+    run = tmp_path / "run"
+    (run / "checkpoints").mkdir(parents=True)
+    (run / "config.toml").write_text(to_toml(CONFIG))
+    run_secret(run, "decoupled").parent.mkdir(parents=True)
+    run_secret(run, "decoupled").write_text(secret.hex() + "\n")
+    run_secret(run, "decoupled").chmod(0o600)
+    torch.manual_seed(0)
+    model = GPT(GPT_CONFIGS["gpt-tiny"])
+    path = write_checkpoint(run / "checkpoints" / "step-3", model, CONFIG, ByteTokenizer(),
+                            method="decoupled", step=3, tokens=3000, eval_loss=2.5,
+                            key=manifest_key(secret))  # fmt: skip
+    source = pick(run, None, None, False)
+    assert source.checkpoint == path and source.key == manifest_key(secret)
+    assert load_checkpoint(path, key=source.key).step == 3
+    # a forger scales the weights by 1e4 (finite: no other check sees it) and fixes the
+    # digests up: the files check out, the manifest's MAC does not
+    weights = path / "model.safetensors"
+    tensors = {k: v * 1e4 for k, v in load_file(str(weights)).items()}
+    save_file(tensors, str(weights), metadata={"format": "pt"})
+    manifest = json.loads((path / MANIFEST).read_text())
+    manifest["files"]["model.safetensors"] = {"bytes": weights.stat().st_size,
+                                              "blake3": digest(weights)}  # fmt: skip
+    (path / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match="MAC does not verify") as info:
+        load_checkpoint(path, key=source.key)
+    assert MANIFEST in str(info.value)
+    del manifest[MAC]  # ... or drops the MAC: a run whose checkpoints carry one refuses that
+    (path / MANIFEST).write_text(json.dumps(manifest))
+    with pytest.raises(CheckpointError, match="no MAC, in a run whose checkpoints carry one"):
+        load_checkpoint(path, key=source.key)
+    another, _ = written(tmp_path / "elsewhere")  # another run's (unkeyed) checkpoint, copied in
+    (run / "checkpoints" / "step-3").rename(tmp_path / "tampered")
+    another.rename(run / "checkpoints" / "step-3")
+    with pytest.raises(CheckpointError, match="no MAC"):
+        load_checkpoint(pick(run, None, None, False).checkpoint, key=source.key)
+    # out of a run, no secret is at hand: the digests alone check a checkpoint
+    assert load_checkpoint(tmp_path / "tampered").step == 3

@@ -1,7 +1,9 @@
 """A learner's link (learner/link.py) against a real syncer socket, the test playing the
 service: answers stay pending until acknowledged and are pushed again to a restarted syncer,
 a rehello makes it register again, a merged fragment lands in its inbox and acknowledges the
-answers it merged, and a malformed message from the syncer is dropped, not obeyed."""
+answers it merged, a malformed message from the syncer is dropped, not obeyed, the syncer's
+orders outlive a reconnect, and answers sent through /dev/shm go again inline when the
+syncer cannot read them."""
 
 from __future__ import annotations
 
@@ -169,3 +171,31 @@ def test_await_welcome_times_out_while_no_syncer_answers():
         assert link.state is LinkState.HELLO and not link.stopped
     finally:
         link.close(0.1)
+
+
+def test_answers_sent_by_shared_memory_go_again_inline_when_the_syncer_cannot_read_them():
+    from ddiloco.runtime.processes.transport.shm import ShmWriter
+
+    address = f"127.0.0.1:{free_port('127.0.0.1')}"
+    conn = Connections(address, RUN, SECRET, 1, Limits(), shm=False)
+    session = new_session()
+    wire = Wire(RUN, SECRET, "L0", session, Limits(), shm=ShmWriter(RUN, "L0", session))
+    n = 1 << 16  # 128 KiB in bf16: large enough for a shared-memory slot
+    link = SyncerLink(address, wire, 0, CodecSpec(), [[(n,)]], silence_seconds=2.0,
+                      beat_seconds=0.2)  # fmt: skip
+    link.start()
+    link.register(protocol.Hello(session, 0, [0]))
+    try:
+        serve(conn, 10.0, lambda got: link.state is LinkState.LIVE)
+        meta = AnswerMeta(0, 1, 0, 0, 3, 0, 1, 1, 64)
+        link.push(Answer(meta, [torch.full((n,), 2.0)]))
+        got = serve(conn, 5.0, lambda got: bool(kinds(got, "answer")))
+        assert kinds(got, "answer") and link.pending[(0, 1, 0)].slot is not None  # by /dev/shm
+        send(conn, protocol.NoShm())  # the syncer sees another /dev/shm than ours
+        got = serve(conn, 5.0, lambda got: bool(kinds(got, "answer")))
+        again = kinds(got, "answer")
+        assert again and again[0].meta["seq"] == 0 and again[0].payload.nbytes > 1 << 16
+        assert link.wire.shm is None and link.fatal is None  # inline from now on
+    finally:
+        link.close(0.1)
+        conn.close()

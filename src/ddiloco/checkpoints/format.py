@@ -8,6 +8,12 @@ the run's config (``run.toml``) and ``ddiloco.json``: method, step, tokens, eval
 model spec and, for every other file, its size and BLAKE3 digest. The simulated clock adds
 its resume state (``resume/``, :mod:`.sim_state`). Nothing is pickled.
 
+The digests prove a file is the one its manifest lists, not who wrote the manifest. A writer
+that holds a run secret (the processes' syncer) adds ``mac``: BLAKE3 keyed by a key derived
+from the secret, over the rest of the manifest. A reader with that secret at hand (a run
+directory's ``run.secret``) requires it, so a checkpoint altered with fixed-up digests, or
+copied in from another run, is refused; elsewhere the digests alone check it.
+
 A run keeps its first method's checkpoints (``config.methods[0]``: the one users take home)
 in ``RUN/checkpoints/step-N/`` and every other method's in ``RUN/checkpoints/<method>/step-N/``.
 N is the equivalent learner step, ``tokens // (train.learners x tokens per learner step)``, so
@@ -16,8 +22,12 @@ checkpoints of different methods at one N have seen the same tokens.
 
 from __future__ import annotations
 
+import hmac
+import json
 import re
+from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 import blake3
 
@@ -32,6 +42,8 @@ RUN_CONFIG = "run.toml"
 MANIFEST = "ddiloco.json"
 STEP = re.compile(r"step-(\d+)")
 KINDS = ("gpt", "hf", "module")  # ddiloco's GPT, a Hugging Face model, a module:function
+MAC = "mac"  # the manifest's keyed digest, when its writer held a run secret
+MAC_CONTEXT = "ddiloco 2026-12-05 checkpoint manifest mac"  # (BLAKE3 key derivation)
 
 
 class CheckpointError(DDiLoCoError):
@@ -77,3 +89,21 @@ def digest(path: Path) -> str:
     if path.stat().st_size:
         hasher.update_mmap(path)
     return str(hasher.hexdigest())
+
+
+def manifest_key(secret: bytes) -> bytes:
+    """The key a run's checkpoint manifests are authenticated under, derived from its
+    secret (never the secret itself: a manifest's MAC tells nothing of it)."""
+    return blake3.blake3(secret, derive_key_context=MAC_CONTEXT).digest()
+
+
+def manifest_mac(manifest: Mapping[str, Any], key: bytes) -> str:
+    """The keyed BLAKE3 of a manifest without its ``mac`` (canonical JSON)."""
+    body = {k: v for k, v in manifest.items() if k != MAC}
+    text = json.dumps(body, sort_keys=True, separators=(",", ":"))
+    return str(blake3.blake3(text.encode(), key=key).hexdigest())
+
+
+def mac_holds(manifest: Mapping[str, Any], key: bytes) -> bool:
+    mac = manifest.get(MAC)
+    return isinstance(mac, str) and hmac.compare_digest(mac, manifest_mac(manifest, key))

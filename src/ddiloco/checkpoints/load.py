@@ -20,6 +20,7 @@ from torch import nn
 from ddiloco.checkpoints.format import (
     FORMAT,
     KINDS,
+    MAC,
     MANIFEST,
     MODEL_CONFIG,
     RUN_CONFIG,
@@ -27,6 +28,7 @@ from ddiloco.checkpoints.format import (
     CheckpointError,
     digest,
     home_of,
+    mac_holds,
     step_name,
     steps_in,
 )
@@ -58,8 +60,9 @@ class Checkpoint:
         return str(self.manifest["method"])
 
 
-def verify(path: Path) -> dict[str, Any]:
-    """``path``'s manifest, after checking every file it lists."""
+def verify(path: Path, key: bytes | None = None) -> dict[str, Any]:
+    """``path``'s manifest, after checking every file it lists; with ``key`` (the run's
+    manifest key: its secret is at hand), after checking the manifest was written with it."""
     manifest_path = path / MANIFEST
     if not path.is_dir():
         raise CheckpointError(path, "no such checkpoint directory")
@@ -75,6 +78,16 @@ def verify(path: Path) -> dict[str, Any]:
         raise CheckpointError(manifest_path, why)
     if manifest.get("kind") not in KINDS:
         raise CheckpointError(manifest_path, f"unknown model kind {manifest.get('kind')!r}")
+    if key is not None and not mac_holds(manifest, key):
+        why = (
+            "its MAC does not verify under this run's secret: altered after it was written"
+            if MAC in manifest
+            else "no MAC, in a run whose checkpoints carry one: written by another run or an "
+            "older build, or its MAC removed"
+        )
+        raise CheckpointError(
+            manifest_path, f"{why}; refused (copy it out of the run to load it unauthenticated)"
+        )
     for name, entry in sorted(files.items()):
         file = path / name
         if ".." in Path(name).parts or Path(name).is_absolute():
@@ -95,12 +108,14 @@ def verify(path: Path) -> dict[str, Any]:
     return dict(manifest)
 
 
-def load_checkpoint(path: Path, device: str = "cpu", builder: str | None = None) -> Checkpoint:
+def load_checkpoint(
+    path: Path, device: str = "cpu", builder: str | None = None, key: bytes | None = None
+) -> Checkpoint:
     """Check and load the checkpoint directory ``path``: its model on ``device``, in eval
     mode. ``builder``: the ``module:function`` that builds a checkpoint of user code, as the
     user gives it (a checkpoint never names code to run: it only says which builder made
-    it); built-in GPTs and Hugging Face models need none."""
-    manifest = verify(path)
+    it); built-in GPTs and Hugging Face models need none. ``key``: see :func:`verify`."""
+    manifest = verify(path, key)
     try:
         config = load_config(path / RUN_CONFIG)
     except DDiLoCoError as exc:

@@ -37,6 +37,7 @@ from torch import nn
 
 from ddiloco.checkpoints.format import (
     FORMAT,
+    MAC,
     MANIFEST,
     MODEL_CONFIG,
     RUN_CONFIG,
@@ -46,6 +47,7 @@ from ddiloco.checkpoints.format import (
     digest,
     equivalent_step,
     home_of,
+    manifest_mac,
     step_name,
 )
 from ddiloco.checkpoints.sim_state import ResumeState, write_state
@@ -101,10 +103,12 @@ def write_checkpoint(
     tokens: int,
     eval_loss: float,
     state: ResumeState | None = None,
+    key: bytes | None = None,
 ) -> Path:
     """Write one checkpoint directory at ``path``, atomically (module docstring); a failed
     write (a full disk) is a :class:`CheckpointError` naming it, and leaves what was there.
-    ``state``: the simulated clock's resume state (:mod:`.sim_state`), written with it."""
+    ``state``: the simulated clock's resume state (:mod:`.sim_state`), written with it;
+    ``key``: the run's manifest key (:func:`~.format.manifest_key`), to authenticate it."""
     with _staged(path) as tmp:
         kind, known = write_model(tmp, model, config.model)
         if state is not None:
@@ -128,6 +132,8 @@ def write_checkpoint(
             "tokenizer": tokenizer.name,
             "files": files,
         }
+        if key is not None:
+            manifest[MAC] = manifest_mac(manifest, key)
         _write_json(tmp / MANIFEST, manifest)
         for f in tmp.rglob("*"):
             if f.relative_to(tmp).as_posix() not in known:  # (fsynced as they were written)
@@ -171,12 +177,19 @@ class CheckpointWriter:
     """One method's checkpoints of the global model in a run directory: when one is due
     (every ``train.checkpoint_every`` tokens, at multiples of it), its step, and writing it
     now (:meth:`write`) or on a thread of its own (:meth:`submit`, for the syncer, which keeps
-    merging meanwhile). ``tokens`` is the count a resumed run starts from."""
+    merging meanwhile). ``tokens`` is the count a resumed run starts from; ``key``: the run's
+    manifest key, when the writer holds its secret (every manifest is then authenticated)."""
 
     def __init__(
-        self, setup: RunSetup, run: Path, home: Path | None = None, tokens: int = 0
+        self,
+        setup: RunSetup,
+        run: Path,
+        home: Path | None = None,
+        tokens: int = 0,
+        key: bytes | None = None,
     ) -> None:
         self.setup = setup
+        self.key = key
         self.config = setup.config
         self.run = run
         self.home = home if home is not None else home_of(run, self.config, setup.method_name)
@@ -254,6 +267,7 @@ class CheckpointWriter:
             tokens=tokens,
             eval_loss=eval_loss,
             state=state,
+            key=self.key,
         )
         self.next = self._after(tokens)
         self.last = path

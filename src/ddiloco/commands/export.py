@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ddiloco.checkpoints.format import CheckpointError, equivalent_step
+from ddiloco.checkpoints.format import CheckpointError, equivalent_step, manifest_key
 from ddiloco.checkpoints.load import (
     Checkpoint,
     available,
@@ -36,6 +36,7 @@ from ddiloco.data.tokenizer import tokenizer_for
 from ddiloco.errors import ConfigError
 from ddiloco.models.gpt import GPT_CONFIGS
 from ddiloco.models.hf import is_hf
+from ddiloco.runtime.layout import run_secret
 from ddiloco.trainer import evaluate
 
 if TYPE_CHECKING:
@@ -67,11 +68,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 @dataclass
 class Source:
-    """Where a model comes from: a checkpoint directory, or a processes run's state."""
+    """Where a model comes from: a checkpoint directory, or a processes run's state; ``key``:
+    the run's manifest key when its secret is at hand (checkpoints/format.py)."""
 
     checkpoint: Path | None = None
     recovered: Recovered | None = None
     method: str = ""
+    key: bytes | None = None
+
+
+def key_of(run: Path, method: str) -> bytes | None:
+    """The manifest key of ``method``'s checkpoints in ``run``, if its secret is at hand (a
+    processes run of a fragment method keeps it, 0600, in its processes home)."""
+    path = run_secret(run, method)
+    if not path.exists():
+        return None
+    from ddiloco.runtime.processes.transport.sockets import load_secret
+
+    return manifest_key(load_secret(str(path)))
 
 
 def pick(
@@ -86,8 +100,9 @@ def pick(
         return Source(checkpoint=path)
     config = run_config(path)
     method = pick_method(config, method)
+    key = key_of(path, method)
     if step is not None and not store:
-        return Source(checkpoint=find_checkpoint(path, method, step), method=method)
+        return Source(find_checkpoint(path, method, step), method=method, key=key)
     from ddiloco.runtime.processes.recover import recover, state_of
 
     config = trusted_builder(config, model, path)
@@ -107,12 +122,12 @@ def pick(
         return Source(recovered=recover(path, config, method), method=method)
     latest = find_checkpoint(path, method)
     if state is None or finished(path, method):
-        return Source(checkpoint=latest, method=method)
+        return Source(checkpoint=latest, method=method, key=key)
     recovered = recover(path, config, method)  # a run that stopped: is its state newer?
     tokens = int(json.loads((latest / "ddiloco.json").read_text(encoding="utf-8"))["tokens"])
     if recovered.tokens > tokens:
         return Source(recovered=recovered, method=method)
-    return Source(checkpoint=latest, method=method)
+    return Source(checkpoint=latest, method=method, key=key)
 
 
 def trusted_builder(config: RunConfig, model: str | None, run: Path) -> RunConfig:
@@ -145,7 +160,7 @@ def open_model(args: argparse.Namespace, device: str = "cpu") -> Checkpoint:
     """The model a command's source arguments name, loaded (a recovered one in memory)."""
     source = pick(Path(args.path), args.method, args.step, args.store, args.model)
     if source.checkpoint is not None:
-        return load_checkpoint(source.checkpoint, device, builder=args.model)
+        return load_checkpoint(source.checkpoint, device, builder=args.model, key=source.key)
     rec = source.recovered
     assert rec is not None
     config = rec.setup.config
@@ -171,7 +186,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("--out", str(out), "exists and is not an empty directory")
     source = pick(Path(args.path), args.method, args.step, args.store, args.model)
     if source.checkpoint is not None:
-        manifest = verify(source.checkpoint)
+        manifest = verify(source.checkpoint, source.key)
         copy_checkpoint(source.checkpoint, out, sorted(manifest["files"]))
         origin = str(source.checkpoint)
     else:

@@ -14,6 +14,7 @@ from pathlib import Path
 PROCESSES = "processes"  # <run>/processes: the processes runtime's homes
 STORE = "syncer_state"  # a fragment method's syncer store, in its home
 ROLLBACK = "checkpoints"  # the data-parallel job's rollback checkpoints, in its home
+SECRET = "run.secret"  # a fragment method's run secret (0600), in its home
 
 
 def processes_home(run: Path, method: str) -> Path:
@@ -32,3 +33,9 @@ def syncer_store(run: Path, method: str) -> Path:
 def rollback_checkpoints(run: Path, method: str) -> Path:
     """The data-parallel job's rollback checkpoints in run ``run``."""
     return processes_home(run, method) / ROLLBACK
+
+
+def run_secret(run: Path, method: str) -> Path:
+    """The run secret ``method``'s processes were started with (a fragment method's; the
+    syncer authenticates its checkpoints with a key derived from it)."""
+    return processes_home(run, method) / SECRET

@@ -53,7 +53,7 @@ from ddiloco.errors import ConfigError
 from ddiloco.methods import method_for
 from ddiloco.report.run_writer import note_status_url
 from ddiloco.report.summary import syncer_summary
-from ddiloco.runtime.layout import STORE
+from ddiloco.runtime.layout import SECRET, STORE
 from ddiloco.runtime.processes.launcher.devices import (
     GPU_ENV,
     assign_gpus,
@@ -125,7 +125,7 @@ class Launcher(Supervisor):
         )
         self.config_path.write_text(to_toml(child), encoding="utf-8")
         self.store = self.home / STORE
-        self.env[SECRET_ENV] = self.run_secret(self.home / "run.secret").hex()
+        self.env[SECRET_ENV] = self.run_secret(self.home / SECRET).hex()
         self.summary: dict[str, Any] | None = None
         self.learner_done: dict[int, dict[str, Any]] = {}
         self.seen: dict[str, Any] = {"rounds": 0, "eval": None}  # for a summary of our own

@@ -152,7 +152,7 @@ class SyncerService:
         self.status = StatusBoard(run_id)
         self.actions = ActionGate(secret, self.config.processes)
         self.evaluator = Evaluator(setup, events, on_eval=self.status.evaluated)
-        self.checkpoints = checkpoint_writer(setup, Path(store_dir), run, self.tokens)
+        self.checkpoints = checkpoint_writer(setup, Path(store_dir), run, self.tokens, secret)
         # what one step of a learner can hold, and how fast steps may be credited
         self.tokens_per_step = setup.tokens_per_step * self.config.processes.ranks
         self.step_slack = 2 * sync.sync_every + 8  # a hello's step beyond the credited ones
