@@ -50,3 +50,23 @@ def test_claims_that_are_not_whole_non_negative_numbers_credit_nothing():
     for step, tokens in ((float("inf"), 1), (4, float("nan")), (-1, 1), (4, -5), ("4", 1)):
         assert budget.credit(0, step, tokens, TPS, 1.0) == (0, 0)
     assert budget.credit(9, 4, 1, TPS, 1.0) == (0, 0)  # not joined
+
+
+def test_a_newcomer_that_adopted_the_global_step_is_counted_from_there_not_from_zero():
+    # said hello at step 0, then copied a peer (or took the run's global step) and said hello
+    # again at 9979: its reports, even a burst of them read in one turn, credit every token
+    budget = StepBudget()
+    budget.join(0, None, 0.0, ceiling=0)
+    budget.hello_again(0, 9979)
+    assert budget.credit(0, 9984, 5 * TPS, TPS, 0.1) == (5, 5 * TPS)
+    for step in range(9985, 9990):  # five reports in the same instant
+        assert budget.credit(0, step, TPS, TPS, 0.1) == (1, TPS)
+    budget.hello_again(0, 20000)  # after its first report: the credited step holds
+    assert budget.step_of(0) == 9989
+
+
+def test_without_the_second_hello_the_jump_from_zero_starves_the_reports_behind_it():
+    budget = StepBudget()
+    budget.join(0, None, 0.0, ceiling=0)
+    assert budget.credit(0, 9984, 5 * TPS, TPS, 0.1) == (1100, 5 * TPS)  # the allowance, gone
+    assert budget.credit(0, 9985, TPS, TPS, 0.1) == (0, 0)  # trained, credited nothing

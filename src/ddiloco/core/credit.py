@@ -51,6 +51,16 @@ class StepBudget:
         counted from at most ``ceiling`` (the step its hello was counted from)."""
         self.learners[learner] = _Learner(step, now, self.cap() * 1.0, ceiling=ceiling)
 
+    def hello_again(self, learner: int, ceiling: int) -> None:
+        """A later hello of the same life before its first report was credited (a newcomer
+        said hello at step 0, then adopted a peer's or the run's global step): its first
+        report may be counted from ``ceiling`` now. Else the jump from 0 to that step would
+        be credited against its allowance, and the reports behind it, with less than one
+        step of allowance left, would credit none of the tokens they trained."""
+        state = self.learners.get(learner)
+        if state is not None and state.step is None:
+            state.ceiling = ceiling if state.ceiling is None else max(state.ceiling, ceiling)
+
     def cap(self) -> float:
         """Steps per second any one learner may be credited at."""
         rates = [s.rate for s in self.learners.values() if s.reports >= self.min_reports]

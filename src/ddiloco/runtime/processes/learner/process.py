@@ -492,4 +492,5 @@ class LearnerProcess:
                 if self.sync.apply(p, version, values, params):
                     wanted.discard(p)
             time.sleep(0.01)
+        self.link.register(self.status())  # at the global step now: counted from there
         self.events(kind, learner=self.m, peer=None, source="syncer", step=step)

@@ -357,6 +357,8 @@ class SyncerService:
             self.budget.join(
                 m, self.ledger.last_step[m][0] if restored else None, now, ceiling=step
             )
+        else:  # the same life again: a newcomer that adopted a peer's or the global step
+            self.budget.hello_again(m, step)
         asks = self.syncer.join(m, step)
         self.send(m, protocol.Welcome(self.syncer.global_step, list(self.syncer.versions)))
         for rnd in asks:
