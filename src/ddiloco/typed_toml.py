@@ -8,6 +8,7 @@ runs defaults. No torch here: the cluster simulator imports it.
 from __future__ import annotations
 
 import dataclasses
+import re
 import tomllib
 import types
 import typing
@@ -40,7 +41,9 @@ def set_override(data: dict[str, Any], item: str, depth: int | None = None) -> N
         raise ConfigError("--set", item, f"expected {shape}")
     try:
         value = tomllib.loads(f"v = {raw}")["v"]
-    except tomllib.TOMLDecodeError:
+    except tomllib.TOMLDecodeError as exc:
+        if raw.strip().startswith(("[", "{")):  # a list or table, not a bare word
+            raise ConfigError("--set", item, _list_hint(key.strip(), raw, exc)) from None
         value = raw  # a bare word is a string
     node = data
     for part in parts[:-1]:
@@ -48,6 +51,37 @@ def set_override(data: dict[str, Any], item: str, depth: int | None = None) -> N
         if not isinstance(node, dict):
             raise ConfigError("--set", item, f"{part} is not a table")
     node[parts[-1]] = value
+
+
+_BARE = re.compile(
+    r'("(?:[^"\\]|\\.)*"|\'[^\']*\')'  # a quoted string
+    r"|(?<![\w.+\-])([A-Za-z_][\w.\-]*)(?![\w.\-]|\s*=)"  # a bare word, not a key
+)
+_TOML_WORDS = ("true", "false", "inf", "nan")
+
+
+def _list_hint(key: str, raw: str, exc: tomllib.TOMLDecodeError) -> str:
+    """Why a ``[...]`` or ``{...}`` value is not TOML: strings in it need quotes, which a shell
+    removes unless the whole item is in single quotes."""
+
+    def quote(m: re.Match[str]) -> str:
+        word = m.group(2)
+        return m.group(0) if word is None or word in _TOML_WORDS else f'"{word}"'
+
+    what = "list" if raw.strip().startswith("[") else "table"
+    where = re.sub(r"at line 1, column (\d+)", lambda m: f"at column {int(m[1]) - 4}", str(exc))
+    why = f"not a TOML {what} ({where})"
+    quoted = _BARE.sub(quote, raw.strip())
+    if quoted == raw.strip():
+        return why
+    why += f"; strings in a TOML {what} need double quotes"
+    try:
+        tomllib.loads(f"v = {quoted}")
+    except tomllib.TOMLDecodeError:
+        return why
+    if "'" in quoted:
+        return f"{why}: {key}={quoted}"
+    return f"{why}, which a shell drops unless the item is in single quotes: --set '{key}={quoted}'"
 
 
 def build(cls: type, data: Any, prefix: str = "") -> Any:
@@ -73,7 +107,9 @@ def coerce(hint: Any, value: Any, key: str) -> Any:
     if origin is tuple:
         (item, *_rest) = typing.get_args(hint)
         if not isinstance(value, list | tuple):
-            raise ConfigError(key, value, "expected a list")
+            example = f'{key}=["{value}"]' if isinstance(value, str) and item is str else ""
+            hint = f" (strings quoted), e.g. --set '{example}'" if example else ""
+            raise ConfigError(key, value, f"expected a list{hint}")
         return tuple(coerce(item, v, f"{key}[{i}]") for i, v in enumerate(value))
     if origin in (types.UnionType, typing.Union):
         return value

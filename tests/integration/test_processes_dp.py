@@ -74,8 +74,14 @@ def test_a_clean_data_parallel_run_trains_and_writes_the_summary_schema(tmp_path
     assert summary["tokens"] == summary["tokens_merged"] >= 20000
     assert summary["tokens_wasted"] == {} and summary["checkpoints"] >= 3
     assert 0 < summary["goodput"] <= summary["uptime"] <= 1.0
+    # no fault: the job was up the whole time, its evaluations and checkpoints included
+    # (planned pauses, not lost time: stepping alone is less of it), and every step was kept
+    assert summary["uptime"] == pytest.approx(1.0) and summary["goodput"] == summary["uptime"]
+    span = summary["virtual_seconds"] - summary["startup_seconds"]
+    assert 0 < summary["stepping_seconds"] < 0.999 * span
     records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
     evals = [r["loss"] for r in records if r["kind"] == "eval"]
+    assert len(evals) >= 3  # (the first, at least one on the way, the last)
     assert evals[-1] < evals[0] - 1.0 and summary["eval_loss"] == evals[-1]
     steps = [r for r in records if r["kind"] == "step"]
     assert {r["learner"] for r in steps} == {0} and len(steps) == summary["steps"]
@@ -138,7 +144,8 @@ def test_a_rank_killed_mid_run_makes_torchrun_restart_the_group_from_its_checkpo
     assert recovered == [(1, "checkpoint"), (0, "checkpoint")]
     print(
         f"crash run: {took:.1f}s wall, rollback {wasted:.0f} tokens, "
-        f"{summary['restarts']} restarts, goodput {summary['goodput']:.3f}"
+        f"{summary['restarts']} restarts, goodput {summary['goodput']:.3f}, "
+        f"uptime {summary['uptime']:.3f}"
     )
 
 

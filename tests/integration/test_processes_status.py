@@ -1,14 +1,17 @@
 """The syncer's status endpoint during a real run: the page in headless Chromium lists every
-learner and changes while the run goes on, ``/status.json`` says the same, ``/metrics``
-parses as Prometheus text; a kill without the run secret (or with another) is refused and
-changes nothing, and the page's kill button with the secret crashes the learner, which
-the launcher restarts."""
+learner and changes while the run goes on, ``/status.json`` says the same (with the pace, an
+ETA and each learner's restarts), ``/metrics`` parses as Prometheus text; a kill without the
+run secret (or with another) is refused and changes nothing, and the page's kill button with
+the secret crashes the learner, which the launcher restarts, saying so in words. A restarted
+syncer serves the page at the same address; if another process took that port meanwhile, at
+a new one, written to ``RUN/status_url``."""
 
 from __future__ import annotations
 
 import json
 import os
 import shutil
+import socket
 import threading
 import time
 import urllib.error
@@ -20,6 +23,7 @@ import pytest
 from bases import SMALL
 
 from ddiloco.config import load_config
+from ddiloco.runtime.processes.launcher import status_port
 from ddiloco.runtime.processes.launcher.fragments import Launcher
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -63,6 +67,7 @@ def browse(url: str, out: dict[str, Any], secret: str) -> None:
             out[name] = {
                 "rows": [r.text for r in rows],
                 "head": driver.find_element(By.ID, "head").text,
+                "cards": driver.find_element(By.ID, "cards").text,
             }
             time.sleep(3.0)
         driver.find_element(By.ID, "secret").send_keys(secret)
@@ -109,7 +114,7 @@ def test_the_status_page_shows_every_learner_and_changes_as_the_run_goes_on(tmp_
         in_again = back is not None and state["rounds"] >= back[0] + 4
         page = state["page"]
         done = "browser" in state and not state["browser"].is_alive()
-        failed = "error" in page or not page.get("killed", "").startswith("202")
+        failed = "error" in page or "being killed" not in page.get("killed", "")
         done = done and (failed or (in_again and time.monotonic() - back[1] >= 3.0))
         if done and "stopped" not in state:
             state["status"].append(json.loads(get(state["url"] + "status.json")))
@@ -129,17 +134,27 @@ def test_the_status_page_shows_every_learner_and_changes_as_the_run_goes_on(tmp_
     for load in (first, second):  # every learner, with its state
         assert [row.split()[:2] for row in load["rows"]] == [["0", "up"], ["1", "up"]], load
     assert first != second  # it updates as the run goes on (steps, tokens, t)
+    assert "tokens" in second["head"] and "tokens/s" in second["cards"]  # in words
+    assert "ETA to the token budget" in second["cards"] and "eval loss" in second["cards"]
     status = state["status"]
     assert {r["learner"] for r in status[0]["learners"]} <= {0, 1}  # (one may not be in yet)
     assert [r["learner"] for r in status[1]["learners"]] == [0, 1]
     assert status[1]["tokens"] > status[0]["tokens"] and status[1]["rounds"] > status[0]["rounds"]
     assert all(r["last_merged"] for r in status[1]["learners"])
+    assert all(0 < r["last_merged"]["share"] <= 1 for r in status[1]["learners"])
+    assert [r["restarts"] for r in status[1]["learners"]] == [0, 1]  # the one killed
+    pace = status[1]["pace"]
+    assert pace["tokens_per_second"] > 0 and pace["eta_seconds"] > 0  # far from 10M tokens
+    assert status[1]["progress"] and status[1]["progress"][-1][1] <= status[1]["tokens"]
     families = {f.name: f for f in parser.text_string_to_metric_families(state["metrics"])}
     assert {"ddiloco_tokens", "ddiloco_rounds", "ddiloco_learner_up"} <= set(families)
+    assert {"ddiloco_tokens_per_second", "ddiloco_learner_restarts"} <= set(families)
     ups = {s.labels["learner"]: s.value for s in families["ddiloco_learner_up"].samples}
     assert ups == {"0": 1.0, "1": 1.0}
     assert state["post"] == [401, 403, 404]  # no secret, another one, no such action
-    assert page["killed"].startswith("202"), page  # the button, with the secret
+    # the button, with the secret: accepted (202), and said in words
+    assert page["killed"].startswith("learner 1 is being killed"), page
+    assert "restarts and copies a healthy peer" in page["killed"]
     (operator,) = [r for r in records if r["kind"] == "operator"]
     assert operator["action"] == "kill" and operator["learner"] == 1
     died = [r for r in records if r["kind"] == "exited" and r.get("code")]
@@ -149,3 +164,52 @@ def test_the_status_page_shows_every_learner_and_changes_as_the_run_goes_on(tmp_
     assert status[1]["actions"]["refused_bad_secret"] == 1
     assert summary["ledger_balanced"]
     assert (Path(tmp_path) / "status_url").exists()
+
+
+def test_a_restarted_syncer_serves_the_page_at_the_same_address(tmp_path, monkeypatch):
+    """Killed once, the syncer comes back on its page's port (the URL a user opened works);
+    killed again while another process holds that port (taken between the launcher's check
+    and the syncer's bind: the check is told it is free), it comes back on a free one, whose
+    URL replaces the old one in RUN/status_url."""
+    config = load_config(None, [*SMALL, "train.tokens=10000000", "processes.max_wall_seconds=150"])
+    state: dict[str, Any] = {"rounds": 0, "urls": [], "kills": 0}
+    holder: list[socket.socket] = []
+
+    def hook(launcher: Launcher, r: dict[str, Any]) -> None:
+        if r["kind"] == "syncer_up":
+            state["urls"].append(r["status_url"])
+            state["rounds"] = 0
+            if len(state["urls"]) == 2:  # the old URL answers: the restarted syncer's page
+                state["answered"] = json.loads(get(state["urls"][0] + "status.json"))
+        if r["kind"] != "round":
+            return
+        state["rounds"] += 1
+        if state["rounds"] == 4 and state["kills"] == 0:
+            state["kills"] = 1
+            launcher.crash_syncer(down_seconds=1.0)
+        elif state["rounds"] == 4 and state["kills"] == 1:
+            state["kills"] = 2
+            state["file"] = (tmp_path / "status_url").read_text().strip()
+            launcher.crash_syncer(down_seconds=1.0)
+            port = int(state["urls"][-1].rsplit(":", 1)[1].strip("/"))
+            holder.append(socket.create_server(("127.0.0.1", port)))  # (the syncer's is shut)
+            monkeypatch.setattr(status_port, "port_free", lambda host, port: True)
+        elif state["rounds"] == 4 and state["kills"] == 2 and "stopped" not in state:
+            state["stopped"] = True
+            launcher.request_stop()
+
+    records: list[dict[str, Any]] = []
+    try:
+        summary = Launcher(config, "decoupled", tmp_path, records.append, hooks=[hook]).run()
+    finally:
+        for s in holder:
+            s.close()
+    first, again, moved = state["urls"]
+    assert again == first and state["file"] == first  # the same address after a restart
+    assert "learners" in state["answered"]  # (its first snapshot may not be out yet)
+    assert moved != first and moved.startswith("http://127.0.0.1:")  # the port was taken
+    assert (tmp_path / "status_url").read_text().strip() == moved
+    exits = [r for r in records if r["kind"] == "exited" and r["process"] == "syncer"]
+    assert [r["code"] for r in exits] == [78] and exits[0]["restart"]  # at once, not fatal
+    assert "cannot bind" in exits[0]["reason"]
+    assert summary["restarts"]["syncer"] == 1 and summary["ledger_balanced"]

@@ -43,7 +43,7 @@ def test_plan_accepts_any_module_function(tmp_path, monkeypatch, capsys):
         (["plan", "--model", "gpt-huge"], "model='gpt-huge'"),
         (["plan", "--model", "no_such_module_xyz:f"], "cannot import"),
         (["plan", "--fragments", "0"], "num_fragments=0"),
-        (["plan", "--model", "gpt-tiny", "--fragments", "500"], "num_fragments"),
+        (["plan", "--model", "gpt-tiny", "-P", "500", "--no-split-rows"], "num_fragments"),
     ],
 )
 def test_bad_input_is_a_clear_error_not_a_traceback(argv, needle, capsys):
@@ -56,3 +56,50 @@ def test_unknown_partition_is_refused_by_argparse(capsys):
     with pytest.raises(SystemExit):
         main(["plan", "--partition", "random"])
     assert "invalid choice" in capsys.readouterr().err
+
+
+def test_plan_with_no_options_is_the_plan_a_default_training_run_uses(capsys):
+    from ddiloco.config import RunConfig
+    from ddiloco.runtime.run import RunSetup
+
+    assert main(["plan", "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    default = RunConfig()
+    assert shown["model"] == default.model and shown["split_rows"] == default.sync.split_rows
+    assert shown["num_fragments"] == default.sync.fragments
+    assert shown["sync_every"] == default.sync.sync_every
+    trained = RunSetup(default).plan.to_dict()  # the plan `ddiloco train` builds
+    assert {k: v for k, v in shown.items() if k not in ("model", "split_rows")} == trained
+    assert main(["plan"]) == 0
+    out = capsys.readouterr().out
+    assert f"partition balanced, split_rows, P={default.sync.fragments} fragments" in out
+    assert main(["plan", "--model", "gpt-tiny", "-P", "40", "--json"]) == 0  # (rows split)
+    shown = json.loads(capsys.readouterr().out)
+    assert any(t.get("rows") for f in shown["fragments"] for t in f["tensors"])
+
+
+def test_plan_takes_a_runs_config_and_its_options_override_it(tmp_path, capsys):
+    from ddiloco.config import load_config, to_toml
+    from ddiloco.runtime.run import RunSetup
+
+    config = load_config("configs/smoke.toml", ["sync.fragments=3"])
+    assert (
+        main(["plan", "--config", "configs/smoke.toml", "--set", "sync.fragments=3", "--json"]) == 0
+    )
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["model"] == "gpt-tiny" and shown["num_fragments"] == 3
+    assert shown["sync_every"] == config.sync.sync_every
+    assert {k: v for k, v in shown.items() if k not in ("model", "split_rows")} == (
+        RunSetup(config).plan.to_dict()
+    )
+    (tmp_path / "config.toml").write_text(to_toml(config))  # a run directory names its config
+    argv = ["plan", "--config", str(tmp_path), "-P", "5", "-H", "10", "--no-split-rows"]
+    assert main([*argv, "--json"]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert (shown["num_fragments"], shown["sync_every"], shown["split_rows"]) == (5, 10, False)
+    assert not any(t.get("rows") for f in shown["fragments"] for t in f["tensors"])
+    assert main(["plan", "--config", str(tmp_path / "nothing")]) == 2
+    assert "config='" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    assert main(["plan", "--config", str(tmp_path / "empty")]) == 2
+    assert "a directory with no config.toml" in capsys.readouterr().err

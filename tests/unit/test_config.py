@@ -148,3 +148,33 @@ def test_the_sync_tables_nest_as_the_core_is_built_and_the_flat_keys_still_load(
         load_config(None, ["sync.mean_outer_lr=0.5", "diloco.outer_lr=0.7"])
     with pytest.raises(ConfigError, match=r"sync\.rounds\.quorom.*unknown key"):
         load_config(None, ["sync.rounds.quorom=2"])
+
+
+@pytest.mark.parametrize(
+    "override,hint",
+    [  # what a shell leaves of --set methods=["decoupled"] typed without single quotes
+        ("methods=[decoupled]", """--set 'methods=["decoupled"]'"""),
+        ("methods=[decoupled,data_parallel]", """--set 'methods=["decoupled","data_parallel"]'"""),
+        ('methods=["decoupled", streaming]', """--set 'methods=["decoupled", "streaming"]'"""),
+        ("sync={partition=layer}", """--set 'sync={partition="layer"}'"""),
+    ],
+)
+def test_an_unquoted_string_in_a_toml_list_gets_the_quoted_form_as_a_hint(override, hint):
+    with pytest.raises(ConfigError) as caught:
+        load_config(None, [override])
+    message = str(caught.value)
+    assert message.startswith(f"--set={override!r}: not a TOML ")
+    assert "need double quotes" in message and message.endswith(hint)
+    load_config(None, [hint.removeprefix("--set '").removesuffix("'")])  # the hint works
+
+
+def test_a_bare_word_where_a_list_goes_gets_the_list_form_as_a_hint():
+    with pytest.raises(ConfigError) as caught:
+        load_config(None, ["methods=decoupled"])
+    assert str(caught.value) == (
+        "methods='decoupled': expected a list (strings quoted), e.g. "
+        """--set 'methods=["decoupled"]'"""
+    )
+    with pytest.raises(ConfigError, match=r"not a TOML list \(.*at column 2\)\); strings in a"):
+        load_config(None, ["methods=[decoupled"])  # no fix to offer: the why only
+    assert load_config(None, ["name=plain words"]).name == "plain words"  # still a string

@@ -194,7 +194,7 @@ def test_a_directory_reads_every_text_file_and_skips_binary_and_hidden_ones(tmp_
     capsys.readouterr()
     meta = run_prepare(src, tmp_path / "out")
     err = capsys.readouterr().err
-    assert "skipping binary file" in err and "logo.png" in err
+    assert f"skipped 1 binary file in {src} (logo.png)" in err
     assert meta["documents"] == 3
     assert meta["train"]["text_bytes"] + meta["val"]["text_bytes"] == len(PLAY[:90_000].encode())
     # a glob of the same files, and raw training reads the directory by the same rules
@@ -205,6 +205,26 @@ def test_a_directory_reads_every_text_file_and_skips_binary_and_hidden_ones(tmp_
         f"{src / 'sub' / 'README'}",
         f"{src / 'sub' / 'notes.jsonl'}:1",
     ]
+
+
+def test_many_binary_files_are_one_warning_line_with_their_count_and_a_few_names(tmp_path, capsys):
+    src = tmp_path / "src"
+    (src / "__pycache__").mkdir(parents=True)
+    (src / "a.py").write_text(PLAY[:40_000])
+    for n in range(240):
+        (src / "__pycache__" / f"m{n:03}.cpython-311.pyc").write_bytes(b"\xa7\r\r\n\0\0" * 9)
+    capsys.readouterr()
+    meta = run_prepare(src, tmp_path / "out", "--tokenizer", "bpe:300")  # (reads src twice)
+    warnings = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
+    names = ", ".join(f"__pycache__/m{n:03}.cpython-311.pyc" for n in range(3))
+    assert warnings == [f"ddiloco: warning: skipped 240 binary files in {src} ({names}, ...)"]
+    assert meta["skipped_files"] == 240 and meta["documents"] == 1
+    assert [name for name, _ in load_documents(str(src))] == [str(src / "a.py")]  # raw text
+    warnings = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
+    assert len(warnings) == 1 and "skipped 240 binary files" in warnings[0]
+    capsys.readouterr()
+    assert load_documents(f"{src}/**/*.pyc") == []  # a glob: named from its root
+    assert f"skipped 240 binary files in {src} ({names}, ...)" in capsys.readouterr().err
 
 
 def test_bpe_training_is_deterministic(tmp_path):

@@ -10,9 +10,10 @@ import json
 import pytest
 from test_syncer_handlers import service  # noqa: F401  (the fixture: a real SyncerService)
 
+from ddiloco.report.summary import Uptime
 from ddiloco.runtime.processes.syncer.status import snapshot_of
 from ddiloco.runtime.processes.syncer.summary import service_summary
-from ddiloco.runtime.processes.syncer.view import LearnerView, SyncerView, view_of
+from ddiloco.runtime.processes.syncer.view import LearnerView, SyncerView, uptime_at, view_of
 
 
 def test_a_view_is_a_copy_the_service_going_on_does_not_change(service):  # noqa: F811
@@ -50,6 +51,8 @@ def test_the_page_and_the_summary_read_only_the_view():
     assert page["t"] == 12.346 and page["rounds"] == 5 and page["versions"] == [3, 2]
     assert [row["state"] for row in page["learners"]] == ["up", "down"]
     assert page["learners"][0]["incarnation"] == "7" and page["learners"][1]["incarnation"] == ""
+    assert page["uptime"] == 0.9 and page["learner_uptime"] == 0.8  # (the page's "uptime")
+    assert "pace" not in page and "restarts" not in page["learners"][0]  # the board's, not here
     assert page["ledger"] == {"tokens_merged": 3000, "tokens_wasted": {"crash": 96.0},
                               "balanced": True}  # fmt: skip
     summary = service_summary(view, final=3.5)
@@ -57,3 +60,15 @@ def test_the_page_and_the_summary_read_only_the_view():
     assert summary["store_writes"] == 7 and summary["ledger_late_answers"] == 2
     assert 0.0 < summary["goodput"] < 1.0  # 2 s down at 0.5 s a step: 256 tokens lost
     assert service_summary(view, final=3.5) == summary  # pure
+
+
+def test_the_uptime_a_view_shows_counts_the_stretch_since_the_last_change():
+    up = Uptime(2, start=None)
+    up.account(10.0, 0)  # the first hello: counting starts
+    up.account(20.0, 0)  # 10 s with nobody live (down), then 3 live from 20 s on
+    assert up.share(40.0) == 0.0  # (the open stretch is not accounted until a change)
+    assert uptime_at(up, 40.0, 3) == pytest.approx(20.0 / 30.0)  # what the page shows
+    assert uptime_at(up, 40.0, 1) == 0.0  # under the quorum: still down
+    assert uptime_at(Uptime(2, start=None), 5.0, 3) == 1.0  # before any hello
+    up.account(40.0, 3)  # the service accounts at the end: the summary's is the same
+    assert uptime_at(up, 40.0, 3) == up.share(40.0)

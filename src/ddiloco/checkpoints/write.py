@@ -55,10 +55,10 @@ from ddiloco.checkpoints.weights import write_weights
 from ddiloco.config import RunConfig, to_toml
 from ddiloco.core.fragments import gather, scatter
 from ddiloco.data.info import bits_per_byte
-from ddiloco.data.tokenizer import Tokenizer, tokenizer_for
+from ddiloco.data.tokenizer import Tokenizer, tokenizer_for, transformers_files
 from ddiloco.models.gpt import GPT
 from ddiloco.models.hf import HFCausalLM
-from ddiloco.trainer import evaluate
+from ddiloco.trainer import evaluate, model_context
 
 if TYPE_CHECKING:
     from ddiloco.runtime.run import RunSetup
@@ -114,6 +114,8 @@ def write_checkpoint(
         if state is not None:
             known.update(write_state(tmp, state))
         tokenizer.save(tmp)
+        for name, content in transformers_files(tokenizer, model_context(model)).items():
+            _write_json(tmp / name, content)  # (eos_token for AutoTokenizer: issue 33)
         (tmp / RUN_CONFIG).write_text(to_toml(config), encoding="utf-8")
         files = {}
         for f in sorted(tmp.rglob("*")):

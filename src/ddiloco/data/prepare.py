@@ -66,15 +66,16 @@ class Progress:
         self.last = time.monotonic()
         self.documents = 0
         self.text_bytes = 0
-        self.skipped: set[str] = set()  # each warning once, though the source is read twice
+        self.skipped: dict[str, int] = {}  # line: files it stands for (said once, though
+        # the source is read twice)
 
     def say(self, line: str) -> None:
         print(f"ddiloco data prepare: {line}", file=self.stream, flush=True)
 
-    def warn(self, line: str) -> None:
-        """A file skipped (binary, a link not followed...): said once, counted in meta.json."""
+    def warn(self, line: str, count: int = 1) -> None:
+        """Files skipped (binary, a link not followed...): said once, counted in meta.json."""
         if line not in self.skipped:
-            self.skipped.add(line)
+            self.skipped[line] = count
             print(f"ddiloco: warning: {line}", file=self.stream, flush=True)
 
     def tick(self, tokens: int, force: bool = False) -> None:
@@ -296,7 +297,7 @@ def _encode(
         "val": {"tokens": val.tokens, "text_bytes": val.text_bytes},
         "eval_fraction": options.eval_fraction,
         "documents": progress.documents,
-        "skipped_files": len(progress.skipped),
+        "skipped_files": sum(progress.skipped.values()),
         "source": {
             "path": options.source,
             "text_field": options.text_field,

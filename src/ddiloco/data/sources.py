@@ -6,8 +6,8 @@ order), lazily: a big file is read in pieces cut at line ends, a long record's t
 out in such pieces, and a dataset row by row, so ``ddiloco data prepare`` never holds a whole
 corpus. A directory reads every regular file of any suffix except hidden ones (names
 starting with a dot, e.g. ``.git``) and skips binary files (a NUL byte in the first 8000, as
-git decides) with one warning line each; a directory or a glob never reads beyond its root
-(:mod:`~ddiloco.data.tree`).
+git decides), all of them said in one warning line (a folder of 240 ``.pyc`` files is one
+line, not 240); a directory or a glob never reads beyond its root (:mod:`~ddiloco.data.tree`).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from ddiloco.data.tree import WILDCARDS, Walk, glob_root
 from ddiloco.errors import ConfigError
@@ -30,7 +30,15 @@ RECORD_SUFFIXES = (".jsonl", ".parquet")
 WHOLE_FILE = 16 << 20  # text files up to this many bytes are read in one piece
 PIECE = 1 << 20  # characters per read of a bigger file
 SNIFF = 8000  # bytes looked at for a NUL (binary file)
+EXAMPLES = 3  # binary files named in the one line that says how many were skipped
 _MARKUP = re.compile(r"\*\*|(?<!\w)_|_(?!\w)|^#+ |  $", re.MULTILINE)
+
+
+class Warn(Protocol):
+    """Says a skip on the terminal: ``line`` stands for ``count`` files (``meta.json``'s
+    ``skipped_files`` counts files, not lines)."""
+
+    def __call__(self, line: str, count: int = 1) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -198,26 +206,43 @@ def _hf_dataset(path: Path, field: str, key: str) -> Iterator[Document]:
                 row += 1
 
 
-def _file(path: Path, field: str, key: str, warn: Callable[[str], None]) -> Iterator[Document]:
+def _file(path: Path, field: str, key: str, binary: list[Path]) -> Iterator[Document]:
+    """``path``'s documents; a binary file is added to ``binary`` (said once, at the end)."""
     suffix = path.suffix.lower()
     if suffix == ".jsonl":
         yield from _jsonl(path, field, key)
     elif suffix == ".parquet":
         yield from _parquet(path, field, key)
     elif is_binary(path):
-        warn(f"skipping binary file {path}")
+        binary.append(path)
     elif path.stat().st_size <= WHOLE_FILE:
         yield Document(str(path), _whole(path.read_text(encoding="utf-8", errors="replace")))
     else:
         yield Document(str(path), _text_pieces(path))
 
 
-def warn_stderr(line: str) -> None:
+def warn_stderr(line: str, count: int = 1) -> None:
     print(f"ddiloco: warning: {line}", file=sys.stderr, flush=True)
 
 
+def binary_line(files: list[Path], root: Path | None = None) -> str:
+    """One line for every binary file skipped: how many, and the first few names (relative
+    to the source's ``root`` when under it)."""
+
+    def shown(path: Path) -> str:
+        if root is not None and path.is_relative_to(root) and path != root:
+            return path.relative_to(root).as_posix()
+        return str(path)
+
+    names = ", ".join(shown(p) for p in files[:EXAMPLES])
+    more = ", ..." if len(files) > EXAMPLES else ""
+    what = "binary file" if len(files) == 1 else "binary files"
+    where = f" in {root}" if root is not None else ""
+    return f"skipped {len(files):,} {what}{where} ({names}{more})"
+
+
 def source_files(
-    source: str, key: str = "data.source", warn: Callable[[str], None] = warn_stderr
+    source: str, key: str = "data.source", warn: Warn = warn_stderr
 ) -> list[Path] | None:
     """The files a path or glob source reads (None for the built-in corpus and datasets),
     none beyond its root (:mod:`~ddiloco.data.tree`)."""
@@ -241,9 +266,10 @@ def documents(
     source: str,
     text_field: str = "text",
     key: str = "data.source",
-    warn: Callable[[str], None] = warn_stderr,
+    warn: Warn = warn_stderr,
 ) -> Iterator[Document]:
-    """``source``'s documents, in order; ``key`` names the setting in errors."""
+    """``source``'s documents, in order; ``key`` names the setting in errors; the binary
+    files skipped are said in one ``warn`` line once every file is read."""
     if source == BUILTIN:
         yield from shakespeare()
         return
@@ -254,5 +280,9 @@ def documents(
     files = source_files(source, key, warn) or []
     if not files:
         raise ConfigError(key, source, "no files in the directory")
+    binary: list[Path] = []
     for file in files:
-        yield from _file(file, text_field, key, warn)
+        yield from _file(file, text_field, key, binary)
+    if binary:
+        root = None if path.is_file() else path if path.is_dir() else glob_root(source)[0]
+        warn(binary_line(binary, root), count=len(binary))

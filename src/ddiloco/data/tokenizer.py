@@ -16,6 +16,8 @@ from ddiloco.data.info import BYTE_VOCAB, read_meta
 from ddiloco.errors import ConfigError
 
 TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_CONFIG = "tokenizer_config.json"  # what transformers' AutoTokenizer reads beside it
+SPECIAL_TOKENS_MAP = "special_tokens_map.json"  # (older transformers read this one too)
 EOT = "<|endoftext|>"  # the end-of-text token a trained BPE gets (id 0)
 EOT_CANDIDATES = (EOT, "<|end_of_text|>", "</s>", "<eos>", "<|eot_id|>")
 EXTRA = "pip install 'ddiloco[data]'"
@@ -70,6 +72,11 @@ class HFTokenizer:
         found = (tokenizer.token_to_id(t) for t in EOT_CANDIDATES)
         self.eot: int | None = next((i for i in found if i is not None), None)
 
+    @property
+    def eot_token(self) -> str | None:
+        """The end-of-text token's text (``<|endoftext|>`` for a BPE ``data prepare`` trained)."""
+        return None if self.eot is None else self.tokenizer.id_to_token(self.eot)
+
     def encode(self, text: str) -> list[int]:
         return list(self.tokenizer.encode(text, add_special_tokens=False).ids)
 
@@ -83,6 +90,40 @@ class HFTokenizer:
 
     def save(self, directory: Path) -> None:
         self.tokenizer.save(str(Path(directory) / TOKENIZER_FILE))
+
+
+def same_vocabulary(a: Tokenizer, b: Tokenizer) -> bool:
+    """Whether ids mean the same tokens in ``a`` and ``b`` (two BPEs of one size do not)."""
+    if (a.name, a.vocab_size) != (b.name, b.vocab_size):
+        return False
+    if isinstance(a, HFTokenizer) and isinstance(b, HFTokenizer):
+        vocab = [t.tokenizer.get_vocab(with_added_tokens=True) for t in (a, b)]
+        return bool(vocab[0] == vocab[1])
+    return True
+
+
+def transformers_files(tokenizer: Tokenizer, context: int | None) -> dict[str, dict[str, Any]]:
+    """The files beside a checkpoint's tokenizer.json that make ``AutoTokenizer`` know its
+    special tokens: the end-of-text token that separated documents in training is
+    ``eos_token`` and, as for GPT-2 (each document follows one), ``bos_token``; no pad token
+    (set ``pad_token = eos_token`` to pad, as for GPT-2). ``context``: the model's, as
+    ``model_max_length``. Byte tokens have no tokenizer.json and no end-of-text token (all
+    256 ids are bytes): nothing to write."""
+    if not isinstance(tokenizer, HFTokenizer):
+        return {}
+    special = {}
+    if tokenizer.eot_token is not None:
+        special = {"bos_token": tokenizer.eot_token, "eos_token": tokenizer.eot_token}
+    config: dict[str, Any] = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        **special,
+        "add_bos_token": False,  # (training never put one first: documents end with eos)
+        "add_eos_token": False,
+        "clean_up_tokenization_spaces": False,
+    }
+    if context is not None:
+        config["model_max_length"] = context
+    return {TOKENIZER_CONFIG: config, SPECIAL_TOKENS_MAP: special}
 
 
 def _tokenizers(key: str, value: object) -> Any:

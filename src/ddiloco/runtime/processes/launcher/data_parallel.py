@@ -55,6 +55,7 @@ from ddiloco.trainer import pick_device
 
 DP = "dp"  # the torchrun agent's process name (logs/dp.log)
 RELAYED = ("step", "eval", "checkpoint", "resumed", "learner_up", "rank_up")
+WORDS = ("learner_up", "resumed", "step", "eval", "checkpoint", "dp_done")  # rank 0's: it is up
 STOP_WAIT_SECONDS = 30.0  # after a stop, for rank 0's report
 ELASTIC = (
     "elastic_dp does not run as processes: torchrun on one host restarts the whole "
@@ -103,6 +104,14 @@ class DataParallelJob(Supervisor):
         self.fatal: dict[str, Any] | None = None
         self.up: dict[str, Any] = {}  # the current attempt's learner_up
         self.first_up: float | None = None  # when the first attempt could train
+        # up time (goodput and uptime): an attempt is up from its learner_up to its last word
+        # (rank 0's last record), its evaluations and checkpoints included, as a Decoupled
+        # learner is up while the syncer evaluates; a restart's start-up is not
+        self.up_seconds = 0.0  # the earlier attempts'
+        self.attempt_t: float | None = None  # the current attempt's learner_up
+        self.last_t = 0.0  # the current attempt's last word
+        self.kept_up = 0.0  # up time of the steps the current attempt resumed with
+        self.saved_up: dict[int, float] = {}  # checkpoint step -> kept up time at its write
         self.tokens = 0  # every step's tokens, rolled back or not
         self.steps = 0
         self.stepping = 0.0  # seconds stepping, every attempt
@@ -257,6 +266,10 @@ class DataParallelJob(Supervisor):
 
     def handle(self, name: str, record: dict[str, Any]) -> None:
         kind = record.get("kind")
+        if kind == "learner_up":
+            self.on_up(record)  # (first: the attempt before it ended at its last word)
+        if kind in WORDS:
+            self.last_t = max(self.last_t, float(record["t"]))
         if kind == "rank_up":
             attempt, rank = int(record["attempt"]), int(record["rank"])
             if attempt > self.attempt:  # torchrun (re)started the group: the old pids are gone
@@ -265,8 +278,6 @@ class DataParallelJob(Supervisor):
                 self.rank_pids[rank] = int(record["pid"])
                 if rank == 0 and self.stop_requested:
                     self.request_stop()
-        elif kind == "learner_up":
-            self.on_up(record)
         elif kind == "step":
             self.tokens += int(record["batch_tokens"])
             self.steps += 1
@@ -282,6 +293,8 @@ class DataParallelJob(Supervisor):
         elif kind == "checkpoint":
             self.checkpoints += 1
             self.checkpoint_seconds += float(record["seconds"])
+            if self.attempt_t is not None:  # what a rollback to it keeps
+                self.saved_up[int(record["step"])] = self.kept_up + self.last_t - self.attempt_t
         elif kind == "resumed":
             self.resumed.append({k: record[k] for k in ("step", "tokens", "attempt")})
             if self.resume and int(record["attempt"]) == 0 and not self.carried:
@@ -325,8 +338,14 @@ class DataParallelJob(Supervisor):
                 )
         self.crashed.clear()
         self.up = record
+        t = float(record["t"])
         if self.first_up is None:
-            self.first_up = float(record["t"])
+            self.first_up = t
+        if self.attempt_t is not None:  # the last attempt was up until its last word
+            self.up_seconds += max(0.0, self.last_t - self.attempt_t)
+        # (a checkpoint of an earlier launch, --resume: its time is not in this run's span)
+        self.kept_up = self.saved_up.get(int(record["step"]), 0.0)
+        self.attempt_t = self.last_t = t
         self.lineage = {
             "step": int(record["step"]),
             "tokens": int(record["tokens"]),
@@ -342,9 +361,9 @@ class DataParallelJob(Supervisor):
         # syncer's count from the first hello: the launch is no failure (a restart is)
         start = self.first_up if self.first_up is not None else wall
         span = max(wall - start, 1e-9)
+        # the last attempt is up to its report (no report: its last word)
+        last_up = 0.0 if self.attempt_t is None else max(0.0, self.last_t - self.attempt_t)
         kept = int(done.get("tokens", self.lineage["tokens"]))  # the model's, since Theta_0
-        kept_seconds = float(done.get("stepping_seconds", self.lineage["stepping_seconds"]))
-        kept_seconds -= self.carried.get("stepping_seconds", 0.0)  # this launch's share
         tokens = self.tokens + int(self.carried.get("tokens", 0))  # the run's, every launch
         last = (self.last_eval or {}).get("loss", math.nan)
         rollback = tokens - kept
@@ -361,9 +380,10 @@ class DataParallelJob(Supervisor):
             tokens=tokens,
             tokens_merged=float(kept),
             tokens_wasted={"rollback": float(rollback)} if rollback else {},
-            # replica-time of the kept steps over every replica slot for the whole run
-            goodput=kept_seconds * n / (n * span),
-            uptime=self.stepping / span,
+            # up time of the kept steps (every replica alike) over the whole run's; planned
+            # evaluations and checkpoints are up, a restart and the steps it rolls back not
+            goodput=min(1.0, (self.kept_up + last_up) / span),
+            uptime=min(1.0, (self.up_seconds + last_up) / span),
             seconds=wall,  # wall seconds since the launch on this clock
             bytes_sent=moved,
             bytes_received=moved,
@@ -377,6 +397,7 @@ class DataParallelJob(Supervisor):
             resumed=self.resumed,
             startup_seconds=start,
             steps=self.steps,
+            stepping_seconds=round(self.stepping, 6),  # of the up time: the rest is pauses
             steps_kept=int(done.get("step", self.lineage["step"])),
             ranks=n,
             device=self.up.get("device"),

@@ -67,7 +67,8 @@ from ddiloco.runtime.processes.launcher.link_faults import (
     faults_of,
 )
 from ddiloco.runtime.processes.launcher.spares import Spares
-from ddiloco.runtime.processes.launcher.supervision import own_summary
+from ddiloco.runtime.processes.launcher.status_port import StatusPort
+from ddiloco.runtime.processes.launcher.supervision import Verdict, own_summary, tail
 from ddiloco.runtime.processes.launcher.supervisor import Supervisor
 from ddiloco.runtime.processes.learner.local_checkpoint import learner_directory
 from ddiloco.runtime.processes.transport.shm import remove_run_directory
@@ -130,6 +131,7 @@ class Launcher(Supervisor):
         self.learner_done: dict[int, dict[str, Any]] = {}
         self.seen: dict[str, Any] = {"rounds": 0, "eval": None}  # for a summary of our own
         self.spares = Spares(self, config.processes.spares if config.processes.ranks == 1 else 0)
+        self.status_port = StatusPort(config.processes.http, self.out)  # the page's, kept
 
     def run_secret(self, path: Path) -> bytes:
         """A fresh secret for a fresh run; a resumed run keeps its own (its learners' saves
@@ -188,10 +190,12 @@ class Launcher(Supervisor):
         ]
 
     def start_syncer(self) -> None:
+        """Start a syncer life (it resumes from the store), its status page on the port the
+        last life's had (:mod:`.status_port`), so the URL a user opened keeps working."""
         cmd = ["syncer", "--bind", self.address, "--store", str(self.store), *self._common()]
         if self.config.processes.journal:
             cmd.append("--journal")
-        self._spawn(SYNCER, cmd)
+        self._spawn(SYNCER, cmd + self.status_port.args())
 
     def start_learner(self, m: int, join: bool = False, resume: bool = False) -> None:
         """Start slot ``m``: fresh, ``join`` (copy a peer) or ``resume`` (its own newest local
@@ -350,6 +354,8 @@ class Launcher(Supervisor):
         elif kind == "eval":
             self.seen["eval"] = record
         note_status_url(self.out, record)
+        if name == SYNCER:
+            self.status_port.heard(record)
         if kind == "summary" and name == SYNCER:
             self.summary = record
         elif kind == "syncer_up" and self.stop_requested:
@@ -381,6 +387,16 @@ class Launcher(Supervisor):
             if self.procs.get(name) is not proc:  # an event's hook started a new life
                 continue
             self.expected_exit.add(name)  # handled once
+            if (
+                name == SYNCER
+                and code == FATAL_EXIT
+                and self.status_port.lost(tail(self.log_of(name)))
+            ):
+                why = "its status page's port was taken since the last life: on a free one now"
+                self.exited(name, code, Verdict(name, code, 0, 0.0, False, why))
+                self.restarts[name] = self.restarts.get(name, 0) + 1
+                self.start_syncer()
+                continue
             if self.spares.is_spare(name):  # replaced, unless spares keep failing (loud)
                 verdict = self.policy.exited(name, code)
                 self.exited(name, code, verdict)

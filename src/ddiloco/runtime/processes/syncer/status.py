@@ -1,17 +1,23 @@
 """The syncer's status endpoint (``processes.http``): an HTML page, JSON and Prometheus text.
 
-``/`` is a page that reloads ``/status.json`` every two seconds and shows every learner
-(state, local step, incarnation, last merged answer: when, its staleness and weight, peer
-address), the rounds, each fragment's version, the ledger, the eval loss curve and what the
-wire refused; ``/status.json`` is the same data; ``/metrics`` is the Prometheus text format
-(``ddiloco_*`` gauges and counters). The only requests that change the run are the page's
-actions (kill / leave a learner), which need the run secret (:mod:`.actions`).
+``/`` is a dashboard (:mod:`.status_page`) that reloads ``/status.json`` every two seconds:
+progress to the token budget, tokens/s and an ETA, the eval loss against tokens and the
+tokens against time (labelled axes), every learner in words (last heard, last merge, its
+share of that merge, restarts, peer address), the fragments, the ledger and what the wire
+refused. ``/status.json`` is the same data with the raw fields kept for machines;
+``/metrics`` is the Prometheus text format (``ddiloco_*`` gauges and counters). The only
+requests that change the run are the page's actions (kill / leave a learner), which need the
+run secret (:mod:`.actions`); an accepted one is answered 202 with a sentence saying what
+happens next (:data:`ACCEPTED`).
 
 The service owns the state and the HTTP thread only reads: once a beat the service builds a
-plain snapshot (:func:`snapshot_of`) and :meth:`StatusBoard.publish` swaps it in, so a
-request never sees the service's dicts half changed. Call order: :meth:`StatusBoard.merged`
-for every merge, :meth:`StatusBoard.evaluated` for every evaluation (from any thread),
-:meth:`StatusBoard.publish` once a beat, :meth:`StatusServer.close` at the end.
+plain snapshot (:func:`snapshot_of`, a pure function of the view) and
+:meth:`StatusBoard.publish` swaps it in, with what the board accumulates across snapshots
+(the eval curve, the tokens over time and the pace measured from them, each learner's
+restarts), so a request never sees the service's dicts half changed. Call order:
+:meth:`StatusBoard.merged` for every merge, :meth:`StatusBoard.evaluated` for every
+evaluation (from any thread), :meth:`StatusBoard.publish` once a beat,
+:meth:`StatusServer.close` at the end.
 """
 
 from __future__ import annotations
@@ -20,6 +26,8 @@ import json
 import logging
 import re
 import threading
+from collections import Counter, deque
+from collections.abc import Sequence
 from http.server import BaseHTTPRequestHandler
 from typing import Any
 
@@ -32,12 +40,48 @@ from ddiloco.runtime.processes.syncer.status_http import (
     Refusals,
     allowed_host,
 )
+from ddiloco.runtime.processes.syncer.status_page import PAGE
 from ddiloco.runtime.processes.syncer.view import SyncerView
 from ddiloco.runtime.processes.transport.sockets import parse_address
 
 log = logging.getLogger(__name__)
 
 EVALS_KEPT = 500  # points of the eval curve the page draws
+PROGRESS_KEPT = 400  # points of the tokens-over-time curve (thinned 2x when full)
+PACE_SECONDS = 30.0  # the tokens/s (and the ETA) are measured over this much of the run
+PACE_MIN_SECONDS = 5.0  # ... and not over less (a restarted syncer first hears a burst)
+# what an accepted action does, in words (the page shows it; ``{m}``: the learner)
+ACCEPTED = {
+    "kill": (
+        "learner {m} is being killed, as a crash would kill it. If a launcher supervises it "
+        "(ddiloco train does), it restarts and copies a healthy peer's state; the other "
+        "learners keep training meanwhile."
+    ),
+    "leave": (
+        "learner {m} is asked to leave cleanly: it says goodbye and exits, and is not "
+        "restarted; the other learners keep training."
+    ),
+}
+
+
+def pace(samples: Sequence[tuple[float, int]], budget: int | None) -> dict[str, float | None]:
+    """Tokens a second between the first and the last of ``samples`` ((t, tokens), oldest
+    first) and the seconds left to ``budget`` at that rate: None while the samples span under
+    :data:`PACE_MIN_SECONDS` (a syncer just restarted hears at once what the learners trained
+    while it was down) or show no progress (an ETA would be a guess); 0 once it is reached."""
+    rate: float | None = None
+    if len(samples) >= 2 and samples[-1][0] - samples[0][0] >= PACE_MIN_SECONDS:
+        (t0, k0), (t1, k1) = samples[0], samples[-1]
+        rate = max(0, k1 - k0) / (t1 - t0)
+    eta: float | None = None
+    if budget and samples:
+        left = max(0, budget - samples[-1][1])
+        eta = 0.0 if left == 0 else (left / rate if rate else None)
+    return {
+        "tokens_per_second": None if rate is None else round(rate, 1),
+        "eta_seconds": None if eta is None else round(eta, 1),
+        "window_seconds": PACE_SECONDS,
+    }
 
 
 class StatusBoard:
@@ -53,14 +97,28 @@ class StatusBoard:
         self.last_merged: dict[int, dict[str, float]] = {}  # learner -> its last merged answer
         self.evals: list[tuple[int, float]] = []
         self.refused = Refusals()  # the endpoint's own refusals (status_http)
+        self.progress: list[tuple[float, int]] = []  # (t, tokens), one every _every seconds
+        self._every = 1.0
+        self._recent: deque[tuple[float, int]] = deque()  # the last PACE_SECONDS of them
+        self._lives: dict[int, str] = {}  # learner -> the last life (incarnation) seen
+        self.restarts: Counter[int] = Counter()  # learner -> new lives seen since then
 
     def merged(self, result: MergeResult, now: float) -> None:
+        """Each answer's learner: when, the fragment, how stale, its weight and its share of
+        the merge (the weights are tokens x tokens per step) and the tokens it carried."""
+        total = sum(result.weights.values())
+        tokens: Counter[int] = Counter()
         for a in result.round.answers:
+            tokens[a.learner] += a.c_tokens
+        for a in result.round.answers:
+            weight = result.weights.get(a.learner, 0.0)
             self.last_merged[a.learner] = {
                 "t": round(now, 3),
                 "fragment": a.fragment,
                 "staleness": result.version - 1 - a.base_version,
-                "weight": result.weights.get(a.learner, 0.0),
+                "weight": weight,
+                "share": round(weight / total, 4) if total > 0 else 0.0,
+                "tokens": tokens[a.learner],
             }
 
     def evaluated(self, tokens: int, loss: float) -> None:
@@ -69,11 +127,47 @@ class StatusBoard:
             del self.evals[:-EVALS_KEPT]
 
     def publish(self, snapshot: dict[str, Any]) -> None:
+        """Swap ``snapshot`` in, with the board's own: the eval curve, the tokens over time,
+        the pace (:func:`pace`), each learner's ``restarts`` and the endpoint's refusals."""
         http = self.refused.snapshot()
+        if "t" in snapshot and "tokens" in snapshot:
+            self._sample(float(snapshot["t"]), int(snapshot["tokens"]))
+        learners = [
+            {**row, "restarts": self._restarts(row)} for row in snapshot.get("learners", [])
+        ]
         with self._lock:
-            self._snapshot = {**snapshot, "evals": list(self.evals), "http": http}
+            self._snapshot = {
+                **snapshot,
+                "learners": learners,
+                "evals": list(self.evals),
+                "progress": list(self.progress),
+                "pace": pace(self._recent, snapshot.get("budget")),
+                "http": http,
+            }
             self._rendered = {}
             self._generation += 1
+
+    def _sample(self, t: float, tokens: int) -> None:
+        """One (t, tokens): into the pace's window, and into the curve every ``_every``
+        seconds (which doubles when the curve is full, its points thinned 2x)."""
+        self._recent.append((t, tokens))
+        while len(self._recent) > 2 and self._recent[1][0] <= t - PACE_SECONDS:
+            self._recent.popleft()  # (the first one left spans the window)
+        if not self.progress or t - self.progress[-1][0] >= self._every:
+            self.progress.append((round(t, 3), tokens))
+            if len(self.progress) > PROGRESS_KEPT:
+                self.progress = self.progress[::2]
+                self._every *= 2.0
+
+    def _restarts(self, row: dict[str, Any]) -> int:
+        """New lives of a learner seen since this board started: a restart, or a return
+        after it left (its incarnation, a random id, changed)."""
+        m, life = int(row["learner"]), str(row.get("incarnation") or "")
+        if life and self._lives.get(m, life) != life:
+            self.restarts[m] += 1
+        if life:
+            self._lives[m] = life
+        return self.restarts[m]
 
     def snapshot(self) -> dict[str, Any]:
         with self._lock:
@@ -97,7 +191,8 @@ class StatusBoard:
 
 
 def snapshot_of(view: SyncerView) -> dict[str, Any]:
-    """What the page serves: the view as plain data."""
+    """What the page serves, as plain data: the view's raw fields (the board adds what it
+    accumulates across views: :meth:`StatusBoard.publish`)."""
     learners = [
         {
             "learner": v.learner,
@@ -117,6 +212,8 @@ def snapshot_of(view: SyncerView) -> dict[str, Any]:
         "budget": view.budget,
         "global_step": view.global_step,
         "rounds": view.answers.get("merged_rounds", 0),
+        "uptime": round(view.uptime, 4),
+        "learner_uptime": round(view.learner_uptime, 4),
         "versions": list(view.versions),
         "learners": learners,
         "ledger": {
@@ -131,14 +228,15 @@ def snapshot_of(view: SyncerView) -> dict[str, Any]:
 
 
 def prometheus(snapshot: dict[str, Any]) -> str:
-    """The snapshot in Prometheus' text exposition format (version 0.0.4); counters' samples
-    end in ``_total``."""
+    """The snapshot in Prometheus' text exposition format (version 0.0.4); a counter's name
+    ends in ``_total``, in its HELP and TYPE lines too (else a 0.0.4 parser files its samples
+    as another, untyped, metric)."""
     lines: list[str] = []
 
     def metric(name: str, kind: str, doc: str, samples: list[tuple[str, float]]) -> None:
-        lines.append(f"# HELP ddiloco_{name} {doc}")
-        lines.append(f"# TYPE ddiloco_{name} {kind}")
         sample = f"ddiloco_{name}_total" if kind == "counter" else f"ddiloco_{name}"
+        lines.append(f"# HELP {sample} {doc}")
+        lines.append(f"# TYPE {sample} {kind}")
         for labels, value in samples:
             lines.append(f"{sample}{labels} {float(value)!r}")
 
@@ -166,6 +264,22 @@ def prometheus(snapshot: dict[str, Any]) -> str:
         "The learner's latest local step.",
         [(f'{{learner="{r["learner"]}"}}', r["step"]) for r in learners if r["step"] is not None],
     )
+    restarts = [
+        (f'{{learner="{r["learner"]}"}}', r["restarts"]) for r in learners if "restarts" in r
+    ]
+    metric(
+        "learner_restarts",
+        "counter",
+        "New lives of the learner (since the syncer started).",
+        restarts,
+    )
+    known = {k: v for k, v in snapshot.get("pace", {}).items() if v is not None}
+    if "tokens_per_second" in known:
+        rate = known["tokens_per_second"]
+        metric("tokens_per_second", "gauge", "Tokens trained a second, recently.", [("", rate)])
+    if "eta_seconds" in known:
+        eta = known["eta_seconds"]
+        metric("eta_seconds", "gauge", "Seconds to the token budget at that rate.", [("", eta)])
     ledger = snapshot.get("ledger", {})
     metric("tokens_merged", "counter", "Tokens merged.", [("", ledger.get("tokens_merged", 0))])
     wasted = ledger.get("tokens_wasted", {})
@@ -258,7 +372,9 @@ def _handler(
             learners = {int(r["learner"]) for r in board.snapshot().get("learners", [])}
             client = str(self.client_address[0])
             code, reply = gate.post(self.path, self.headers.get("Authorization"), client, learners)
-            if code != 202:
+            if code == 202:  # (in words: what happens next)
+                reply["message"] = ACCEPTED[str(reply["accepted"])].format(m=reply["learner"])
+            else:
                 log.warning(
                     "syncer: refused %s from %s: %s", self.path[:80], client, reply["error"]
                 )
@@ -305,69 +421,3 @@ def _handler(
             pass  # (the run's terminal is not an access log; refusals are logged above)
 
     return Handler
-
-
-PAGE = """<!doctype html>
-<html><head><meta charset="utf-8"><title>ddiloco syncer</title>
-<style>
-body{font-family:system-ui,sans-serif;margin:1.5em;color:#222}
-table{border-collapse:collapse;margin:.5em 0 1.5em}
-td,th{border:1px solid #ccc;padding:.2em .6em;text-align:right}
-th{background:#f3f3f3}.up{color:#080}.down{color:#c00;font-weight:bold}.left{color:#888}
-#curve{border:1px solid #ccc}
-</style></head><body>
-<h1>ddiloco syncer <span id="run"></span></h1>
-<p id="head">waiting for the first status...</p>
-<h2>Learners</h2>
-<p id="act">run secret (hex) for kill / leave:
-<input id="secret" type="password" size="40" autocomplete="off"> <span id="said"></span></p>
-<table id="learners"><thead><tr><th>learner</th><th>state</th><th>step</th>
-<th>silent (s)</th><th>last merged (t)</th><th>staleness</th><th>weight</th>
-<th>incarnation</th><th>peer address</th><th></th></tr></thead><tbody></tbody></table>
-<h2>Fragments</h2><p id="versions"></p>
-<h2>Ledger</h2><p id="ledger"></p>
-<h2>Eval loss</h2><canvas id="curve" width="600" height="200"></canvas>
-<h2>Refused by the wire</h2><p id="refused"></p>
-<script>
-function cell(v){const td=document.createElement('td');
- td.textContent=(v===null||v===undefined)?'':v;return td}
-async function act(m,what){const said=document.getElementById('said');
- try{const r=await fetch('learners/'+m+'/'+what,{method:'POST',headers:{'Authorization':
-  'Bearer '+document.getElementById('secret').value.trim()}});const j=await r.json();
-  said.textContent=r.status+': '+(j.error||(j.accepted+' learner '+j.learner))}
- catch(e){said.textContent='no answer: '+e}}
-function buttons(m,on){const td=document.createElement('td');if(!on)return td;
- for(const what of ['kill','leave']){const b=document.createElement('button');
-  b.textContent=what;b.className=what;b.onclick=()=>act(m,what);td.appendChild(b)}return td}
-function draw(evals){const c=document.getElementById('curve'),g=c.getContext('2d');
- g.clearRect(0,0,c.width,c.height);if(evals.length<2)return;
- const xs=evals.map(e=>e[0]),ys=evals.map(e=>e[1]),x0=Math.min(...xs),x1=Math.max(...xs),
- y0=Math.min(...ys),y1=Math.max(...ys);g.beginPath();
- evals.forEach((e,i)=>{const x=10+(c.width-20)*(e[0]-x0)/Math.max(1,x1-x0),
- y=c.height-10-(c.height-20)*(e[1]-y0)/Math.max(1e-9,y1-y0);i?g.lineTo(x,y):g.moveTo(x,y)});
- g.stroke();g.fillText(y1.toFixed(3),2,10);g.fillText(y0.toFixed(3),2,c.height-2)}
-function n(v){return Math.round(v).toLocaleString('en-US')}
-function pct(a,b){return b>0?(100*a/b).toFixed(1)+'%':'-'}
-function counts(o){const e=Object.entries(o||{});
- return e.length?e.map(([k,v])=>k.replace(/_/g,' ')+' '+n(v)).join(', '):'none'}
-async function load(){try{const s=await (await fetch('status.json',{cache:'no-store'})).json();
- document.getElementById('run').textContent=s.run||'';
- document.getElementById('head').textContent='t = '+s.t.toFixed(1)+' s, tokens '+n(s.tokens)+
-  ' of '+n(s.budget)+' ('+pct(s.tokens,s.budget)+'), global step '+s.global_step+', rounds '+
-  s.rounds;
- const body=document.querySelector('#learners tbody');body.innerHTML='';
- for(const l of s.learners){const tr=document.createElement('tr');tr.className='learner '+l.state;
-  const lm=l.last_merged||{};[l.learner,l.state,l.step,l.silent_seconds,lm.t,lm.staleness,
-  lm.weight,l.incarnation,l.address].forEach(v=>tr.appendChild(cell(v)));
-  tr.appendChild(buttons(l.learner,(s.actions||{}).enabled));body.appendChild(tr)}
- document.getElementById('act').hidden=!(s.actions||{}).enabled;
- document.getElementById('versions').textContent='versions: '+s.versions.join(', ');
- const led=s.ledger||{},el=document.getElementById('ledger');
- el.textContent='merged '+n(led.tokens_merged)+' tokens ('+pct(led.tokens_merged,s.tokens)+
-  ' of those trained); wasted: '+counts(led.tokens_wasted)+'; '+
-  (led.balanced?'balanced':'NOT BALANCED');el.className=led.balanced?'':'down';
- document.getElementById('refused').textContent=counts(s.refused);draw(s.evals||[])}
- catch(e){document.getElementById('head').textContent='syncer unreachable: '+e}}
-load();setInterval(load,2000);
-</script></body></html>
-"""

@@ -17,6 +17,7 @@ from ddiloco.checkpoints.write import CheckpointWriter
 from ddiloco.config import RunConfig
 from ddiloco.core.restart_ledger import RestartLedger
 from ddiloco.core.syncer_state import SyncerState
+from ddiloco.report.summary import Uptime
 from ddiloco.runtime.processes.syncer.actions import ActionGate
 from ddiloco.runtime.processes.syncer.attendance import Attendance
 from ddiloco.runtime.processes.syncer.connections import Connections
@@ -103,6 +104,20 @@ class Viewed(Protocol):
     def status(self) -> Board: ...
 
 
+def uptime_at(up: Uptime, now: float, live: int) -> float:
+    """The uptime's share at ``now``, the stretch since its last account included (``live``
+    learners until now): ``Uptime.share`` counts only the accounted stretches, which the
+    service closes at a membership change and at the end, so mid-run, with nobody joining
+    or leaving, a page would see the run's uptime fall (81% of a run up all the time)."""
+    if up.first is None:
+        return 1.0
+    elapsed = now - up.first
+    if elapsed <= 0:
+        return 1.0
+    open_ = now - up.mark if up.mark is not None and live >= up.quorum else 0.0
+    return min(1.0, (up.seconds + max(0.0, open_)) / elapsed)
+
+
 def view_of(svc: Viewed, now: float) -> SyncerView:
     """The service as it stands at ``now`` (call it on the service's thread)."""
     live, heard = svc.syncer.live, svc.attendance.last_heard
@@ -142,7 +157,7 @@ def view_of(svc: Viewed, now: float) -> SyncerView:
         service=dict(sorted(svc.counts.items())),
         bytes_sent=svc.conn.bytes_sent,
         bytes_received=svc.bytes_received,
-        uptime=svc.attendance.uptime.share(now),
+        uptime=uptime_at(svc.attendance.uptime, now, len(live)),
         learner_uptime=svc.attendance.learner_uptime(now, config.train.learners),
         down_seconds=svc.attendance.down_total(now),
         step_seconds=svc.syncer.step_seconds or 1.0,
