@@ -35,10 +35,26 @@ def ddiloco(*args: str, log: Path, env: dict[str, str]) -> subprocess.Popen[str]
 
 
 def test_a_hand_started_syncer_writes_a_run_directory_that_compare_reads(tmp_path, capsys):
-    config = load_config(None, [*SHORT, "train.tokens=16000", "report.progress_seconds=1.0"])
+    """... and export, eval and sample read it as any run; its plots show the learners'
+    steps; two learners on one host take their ports from the doc's recipe (a fixed
+    ``processes.peer_port``: learner m on peer_port + m) without being told one."""
+    peer_port = free_port("127.0.0.1")
+    config = load_config(
+        None,
+        [
+            *SHORT,
+            "train.tokens=16000",
+            "report.progress_seconds=1.0",
+            f"processes.peer_port={peer_port}",
+        ],
+    )
     (tmp_path / "run.toml").write_text(to_toml(config))
     common = ["--config", str(tmp_path / "run.toml"), "--run-id", RUN_ID]
-    env = {**os.environ, SECRET_ENV: bytes(range(32)).hex()}
+    secret = tmp_path / "run.secret"
+    secret.write_text(bytes(range(32)).hex())
+    secret.chmod(0o600)
+    common += ["--secret-file", str(secret)]
+    env = dict(os.environ)
     address = f"127.0.0.1:{free_port('127.0.0.1')}"
     run = tmp_path / "run"
     syncer = ddiloco(
@@ -62,8 +78,11 @@ def test_a_hand_started_syncer_writes_a_run_directory_that_compare_reads(tmp_pat
     said = (tmp_path / "s.log").read_text()
     assert EVENT_PREFIX not in said  # lines for a person, the records in the directory
     assert "syncer status: http://" in said and "tokens" in said and "eval" in said
-    assert f"run directory: {run}" in said
-    assert (run / "config.toml").is_file() and (run / "syncer_state").is_dir()
+    assert f"run directory: {run}" in said and "goodput" in said  # the final table
+    assert (run / "config.toml").is_file() and (run / "processes" / "syncer_state").is_dir()
+    for m in range(2):  # each on its own port, none told which
+        up = f'"peer": "127.0.0.1:{peer_port + m}"'
+        assert up in (tmp_path / f"l{m}.log").read_text(), (tmp_path / f"l{m}.log").read_text()
     up = next(line for line in said.splitlines() if "syncer status: http://" in line)
     assert (run / "status_url").read_text().strip() in up  # where the page is, for a script
 
@@ -77,8 +96,21 @@ def test_a_hand_started_syncer_writes_a_run_directory_that_compare_reads(tmp_pat
     assert set(REQUIRED) <= set(summary) and summary["runtime"] == "processes"
     assert summary["tokens"] >= 16000 and summary["ledger_balanced"], summary
     assert summary["methods"]["decoupled"]["eval_loss"] == summary["eval_loss"] < 5.0
-    for plot in ("eval_loss.png", "timeline.png", "bytes.png"):
+    for plot in ("eval_loss.png", "timeline.png", "bytes.png", "train_loss.png"):
         assert (run / plot).stat().st_size > 0
+    steps = [r for r in records if r["kind"] == "step"]  # what the learners reported
+    assert {r["learner"] for r in steps} == {0, 1}, "the timeline and train loss have no data"
+    assert all(0 < r["loss"] < 10 and r["batch_tokens"] > 0 for r in steps)
+    assert summary["checkpoint"], summary  # the global model, where the tools look
+
+    capsys.readouterr()  # the tools read it as any run: export, eval, sample
+    assert main(["export", str(run), "--out", str(tmp_path / "model")]) == 0
+    assert "exported decoupled" in capsys.readouterr().out
+    assert main(["eval", str(run), "--secret-file", str(secret), "--json"]) == 0
+    said_eval = json.loads(capsys.readouterr().out)
+    assert abs(said_eval["eval_loss"] - summary["eval_loss"]) < 1e-4, said_eval
+    assert main(["sample", str(run), "--prompt", "ROMEO:", "--tokens", "8"]) == 0
+    assert capsys.readouterr().out.startswith("ROMEO:")
 
     capsys.readouterr()
     assert main(["compare", str(run), "--out", str(tmp_path / "cmp")]) == 0

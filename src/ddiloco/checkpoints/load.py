@@ -80,7 +80,8 @@ def verify(path: Path, key: bytes | None = None) -> dict[str, Any]:
         raise CheckpointError(manifest_path, f"unknown model kind {manifest.get('kind')!r}")
     if key is not None and not mac_holds(manifest, key):
         why = (
-            "its MAC does not verify under this run's secret: altered after it was written"
+            "its MAC does not verify under this run's secret: altered after it was written (or the "
+            "secret given is not the run's)"
             if MAC in manifest
             else "no MAC, in a run whose checkpoints carry one: written by another run or an "
             "older build, or its MAC removed"

@@ -59,6 +59,11 @@ def add_source_arguments(parser: argparse.ArgumentParser, what: str) -> None:
         help="the builder of a checkpoint of your own model code (a checkpoint names it, "
         "but never has it run: you say which code you trust)",
     )
+    parser.add_argument(
+        "--secret-file",
+        help="the run secret, to authenticate the checkpoints' MAC where the run directory "
+        "does not keep it (a hand-started run; a checkpoint directory by itself)",
+    )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -77,11 +82,12 @@ class Source:
     key: bytes | None = None
 
 
-def key_of(run: Path, method: str) -> bytes | None:
-    """The manifest key of ``method``'s checkpoints in ``run``, if its secret is at hand (a
-    processes run of a fragment method keeps it, 0600, in its processes home)."""
-    path = run_secret(run, method)
-    if not path.exists():
+def key_of(run: Path, method: str, secret_file: str | None = None) -> bytes | None:
+    """The manifest key of ``method``'s checkpoints in ``run``: from ``secret_file`` (the
+    user's ``--secret-file``), else the secret a processes run of a fragment method keeps,
+    0600, in its processes home; None when neither is at hand."""
+    path = Path(secret_file) if secret_file else run_secret(run, method)
+    if not secret_file and not path.exists():
         return None
     from ddiloco.runtime.processes.transport.sockets import load_secret
 
@@ -89,18 +95,25 @@ def key_of(run: Path, method: str) -> bytes | None:
 
 
 def pick(
-    path: Path, method: str | None, step: int | None, store: bool, model: str | None = None
+    path: Path,
+    method: str | None,
+    step: int | None,
+    store: bool,
+    model: str | None = None,
+    secret_file: str | None = None,
 ) -> Source:
     """The model ``path`` (and the options) name (module docstring); ``model``: the
-    ``--model`` the user trusts to build a run of user code."""
+    ``--model`` the user trusts to build a run of user code; ``secret_file``: the run
+    secret the user gives (its checkpoints' MAC is then checked)."""
     if is_checkpoint(path):
         if store or step is not None or method is not None:
             why = "is a checkpoint directory: --store, --step and --method name one in a run"
             raise ConfigError("path", str(path), why)
-        return Source(checkpoint=path)
+        key = key_of(path, "", secret_file) if secret_file else None
+        return Source(checkpoint=path, key=key)
     config = run_config(path)
     method = pick_method(config, method)
-    key = key_of(path, method)
+    key = key_of(path, method, secret_file)
     if step is not None and not store:
         return Source(find_checkpoint(path, method, step), method=method, key=key)
     from ddiloco.runtime.processes.recover import recover, state_of
@@ -158,7 +171,7 @@ def finished(run: Path, method: str) -> bool:
 
 def open_model(args: argparse.Namespace, device: str = "cpu") -> Checkpoint:
     """The model a command's source arguments name, loaded (a recovered one in memory)."""
-    source = pick(Path(args.path), args.method, args.step, args.store, args.model)
+    source = pick(Path(args.path), args.method, args.step, args.store, args.model, args.secret_file)
     if source.checkpoint is not None:
         return load_checkpoint(source.checkpoint, device, builder=args.model, key=source.key)
     rec = source.recovered
@@ -184,7 +197,7 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConfigError("--out", str(out), "exists and is not an empty directory")
-    source = pick(Path(args.path), args.method, args.step, args.store, args.model)
+    source = pick(Path(args.path), args.method, args.step, args.store, args.model, args.secret_file)
     if source.checkpoint is not None:
         manifest = verify(source.checkpoint, source.key)
         copy_checkpoint(source.checkpoint, out, sorted(manifest["files"]))

@@ -1,8 +1,9 @@
 """``ddiloco learner``: one learner process of a real-processes run.
 
 Connects to the syncer (``--syncer HOST:PORT``), serves snapshots to newcomers on
-``--peer-bind`` (default ``--peer-host``) port ``--peer-port`` (default the config's
-``processes.peer_port``, 0: a free one), tells peers to dial ``--peer-host``, and trains
+``--peer-bind`` (default ``--peer-host``) port ``--peer-port`` (default
+``processes.peer_port + id`` when the config fixes one, so the learners of one host never
+want the same port; else a free one), tells peers to dial ``--peer-host``, and trains
 until the syncer says stop. ``--join`` first copies a healthy peer's state (a restart, or
 scavenged compute arriving at any time); ``--resume`` starts from this learner's newest local
 checkpoint in ``--state-dir`` (a resumed run); ``--leave-after SECONDS`` goes away cleanly
@@ -52,7 +53,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--peer-port",
         type=int,
-        help="TCP port of the snapshots (default: the config's processes.peer_port; 0: any free)",
+        help="TCP port of the snapshots (default: processes.peer_port + --id when the config "
+        "fixes one, as ddiloco train does, else any free port; 0: any free)",
     )
     parser.add_argument(
         "--peer-bind",
@@ -91,7 +93,10 @@ def run(args: argparse.Namespace) -> int:
         return 0  # the launcher went away, or stopped the run: nothing to take over
     require(0 <= args.id < setup.slots, "--id", args.id, f"slots are 0..{setup.slots - 1}")
     require(args.leave_after >= 0, "--leave-after", args.leave_after, "must be >= 0")
-    peer_port = config.processes.peer_port if args.peer_port is None else args.peer_port
+    peer_port = args.peer_port
+    if peer_port is None:  # the config's port is the first learner's, as under ddiloco train:
+        fixed = config.processes.peer_port  # learners of one host never want the same one
+        peer_port = fixed + args.id if fixed else 0
     require(0 <= peer_port <= 65535, "--peer-port", peer_port, "must be in 0..65535 (0: any)")
     every = config.report.progress_seconds
     sink = terminal_sink(config.train.tokens, every, args.method)  # (a person: lines)

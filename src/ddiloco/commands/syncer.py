@@ -4,11 +4,15 @@ Binds to loopback unless told otherwise; every frame is authenticated with the r
 ($DDILOCO_SECRET in hex, or --secret-file). Restarted with the same --store it resumes from
 its durable state. Prints events as ``@event {json}`` lines (the launcher relays them); with
 ``--out RUN`` (a syncer started by hand, e.g. on the head host of a multi-host run) it
-writes a run directory instead, as ``ddiloco train`` does: ``metrics.jsonl`` (the syncer's
-records: rounds, evaluations, joins, detections), progress lines on the terminal,
-TensorBoard if configured, and at the end ``summary.json`` and the plots, so ``ddiloco
-compare`` reads it. The store then defaults to ``RUN/syncer_state``; a syncer restarted with
-the same ``--out`` resumes from it and appends to the records.
+writes a run directory instead, laid out as ``ddiloco train``'s (runtime/layout.py):
+``metrics.jsonl`` (the syncer's records: rounds, evaluations, joins, detections, and each
+learner's reported steps and train losses, which no launcher relays here), progress lines
+on the terminal, TensorBoard if configured, the global model's checkpoints in
+``RUN/checkpoints``, and at the end ``summary.json``, the plots and the final table, so
+``ddiloco compare``, ``export``, ``eval`` and ``sample`` read it as any run. The store then
+defaults to ``RUN/processes/syncer_state`` (``RUN/syncer_state`` where an earlier version
+put it); a syncer restarted with the same ``--out`` resumes from it and appends to the
+records.
 """
 
 from __future__ import annotations
@@ -18,12 +22,13 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from ddiloco.commands import add_config_arguments
 from ddiloco.config import load_config, to_toml
-from ddiloco.runtime.layout import STORE
+from ddiloco.runtime.layout import STORE, syncer_store
 from ddiloco.runtime.processes.transport.events import Events
 from ddiloco.runtime.processes.transport.sockets import load_secret, parse_address
 
@@ -81,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
     secret = load_secret(args.secret_file)
     setup = RunSetup(config, args.method)
     out = Path(args.out) if args.out else None
-    store = Path(args.store or (out / STORE if out else f"runs/{config.name}-syncer"))
+    store = Path(args.store) if args.store else default_store(out, args.method, config.name)
     t0 = args.t0 if args.t0 is not None else time.time()
     writer = None
     if out is not None:  # a run directory of our own (a restart appends to it)
@@ -90,8 +95,9 @@ def run(args: argparse.Namespace) -> int:
 
         again = (out / "metrics.jsonl").is_file()
         out.mkdir(parents=True, exist_ok=True)
-        if not (out / "config.toml").is_file():
-            (out / "config.toml").write_text(to_toml(config), encoding="utf-8")
+        if not (out / "config.toml").is_file():  # the tools read the run's method from it
+            ran = replace(config, methods=(args.method,))
+            (out / "config.toml").write_text(to_toml(ran), encoding="utf-8")
         if again:
             end_line(out)
             t0 = t0 if args.t0 is not None else time.time() - last_time(out)
@@ -120,6 +126,9 @@ def run(args: argparse.Namespace) -> int:
         journal=args.journal or config.processes.journal,
         detect_seconds=args.detect_seconds or config.processes.detect_seconds,
         stop=stop,
+        run=out,
+        steps=out is not None,
+        secret_file=args.secret_file,
     )
     summary = None
     try:
@@ -136,8 +145,19 @@ def run(args: argparse.Namespace) -> int:
         if writer is not None:
             writer.close()
     if out is not None and summary is not None:
+        from ddiloco.commands.train import models, render
         from ddiloco.report.run_writer import finish
 
         finish(out, [summary])
-        print(f"run directory: {out}", flush=True)
+        print(f"\n{render([summary])}\n\nrun directory: {out}\n{models([summary], out)}")
     return 0
+
+
+def default_store(out: Path | None, method: str, name: str) -> Path:
+    """Where a syncer keeps its durable state by default: in its run directory where the
+    launcher would (``RUN/processes/syncer_state``; ``RUN/syncer_state`` if an earlier version
+    began the run there), else ``runs/<name>-syncer``."""
+    if out is None:
+        return Path(f"runs/{name}-syncer")
+    older = out / STORE
+    return older if older.is_dir() else syncer_store(out, method)

@@ -32,6 +32,7 @@ from ddiloco.errors import ConfigError
 
 MAX_COUNT = (1 << 62) - 1  # steps, tokens, versions, ids: far beyond any run, inside int64
 MAX_SECONDS = 1e6
+MAX_LOSS = 1e4  # nats per token: far above a uniform guess over any vocabulary
 MAX_TEXT = 256
 MAX_PEERS = 4096
 
@@ -88,6 +89,18 @@ def totals(meta: dict[str, Any], fragments: int) -> Totals | None:
     if "total" not in meta and "rebases" not in meta:
         return None
     return count(meta, "total"), counts(meta, "rebases", fragments)
+
+
+def loss(meta: dict[str, Any]) -> float | None:
+    """An optional train loss: a finite number in [0, MAX_LOSS] (nats per token)."""
+    value = meta.get("loss")
+    if value is None:
+        return None
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        raise ConfigError("meta.loss", value, "expected a number")
+    if not (math.isfinite(value) and 0.0 <= value <= MAX_LOSS):
+        raise ConfigError("meta.loss", value, f"expected a finite loss in [0, {MAX_LOSS}]")
+    return float(value)
 
 
 def totals_meta(value: Totals | None) -> dict[str, Any]:
@@ -154,8 +167,10 @@ class Progress(Message):
     seconds: float  # the last step's duration
     rebased: list[int]  # fragments applied since the last report
     totals: Totals | None = None  # the life's running totals (syncer/totals.py)
+    loss: float | None = None  # the step's train loss (a hand-started syncer records it)
 
     def meta(self) -> dict[str, Any]:
+        loss = {} if self.loss is None else {"loss": self.loss}
         return {
             "inc": self.incarnation,
             "step": self.step,
@@ -163,6 +178,7 @@ class Progress(Message):
             "secs": self.seconds,
             "rebased": list(self.rebased),
             **totals_meta(self.totals),
+            **loss,
         }
 
     @classmethod
@@ -175,6 +191,7 @@ class Progress(Message):
             seconds(meta, "secs"),
             sorted(set(rebased)),
             totals(meta, fragments),
+            loss(meta),
         )
 
 

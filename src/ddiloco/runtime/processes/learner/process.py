@@ -22,6 +22,7 @@ server; at each boundary rank 0's decisions (stop, fragments to apply) reach eve
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 import time
@@ -35,6 +36,7 @@ from ddiloco.core.learner_state import LearnerSync
 from ddiloco.data.corpus import BatchStream
 from ddiloco.errors import ConfigError
 from ddiloco.runtime.processes import protocol
+from ddiloco.runtime.processes.protocol import MAX_LOSS
 from ddiloco.runtime.processes.learner.link import SyncerLink
 from ddiloco.runtime.processes.learner.local_checkpoint import (
     LocalCheckpoints,
@@ -319,7 +321,7 @@ class LearnerProcess:
         tokens *= self.ranks.world  # the learner's batch is every rank's
         self.sync.stepped(tokens)
         self.tokens += tokens
-        self.report(tokens)
+        self.report(tokens, loss)
         self.events("step", learner=self.m, step=self.sync.step, loss=loss, batch_tokens=tokens)
         stop, wait = self.at_boundary(step_end=True)
         if wait and not stop:
@@ -328,12 +330,19 @@ class LearnerProcess:
             self.saves.save(self.sync.step, self.snapshot_state(copy=False))
         return not stop
 
-    def report(self, tokens: int) -> None:
-        """A progress report (rank 0): the step, its tokens, the fragments rebased since."""
+    def report(self, tokens: int, loss: float | None = None) -> None:
+        """A progress report (rank 0): the step, its tokens and loss, the fragments rebased
+        since."""
         if self.ranks.leader:
+            finite = loss is not None and math.isfinite(loss) and 0.0 <= loss <= MAX_LOSS
             self.link.progress(
                 protocol.Progress(
-                    self.incarnation, self.sync.step, tokens, self.last_seconds, self.rebased
+                    self.incarnation,
+                    self.sync.step,
+                    tokens,
+                    self.last_seconds,
+                    self.rebased,
+                    loss=float(loss) if finite and loss is not None else None,
                 )
             )
         self.rebased = []

@@ -91,7 +91,11 @@ FINAL_ASK_SECONDS = 1.0  # a final round asks the learners it still waits for ag
 
 
 class SyncerService:
-    """One syncer process."""
+    """One syncer process. ``run``: the run directory its checkpoints go into (default: the
+    one its store is in); ``steps``: record each learner's reported steps and train losses
+    as ``step`` records (a hand-started syncer writing a run directory: no launcher relays
+    the learners' own); ``secret_file``: where the run secret came from (its ``syncer_up``
+    record says so: the status page's buttons take it), None for the environment."""
 
     def __init__(
         self,
@@ -106,10 +110,14 @@ class SyncerService:
         detect_seconds: float = 5.0,
         stop: threading.Event | None = None,
         run: Path | None = None,
+        steps: bool = False,
+        secret_file: str | None = None,
     ) -> None:
         self.setup = setup
         self.config: RunConfig = setup.config
         self.events = events
+        self.record_steps = steps
+        self.announced = {"address": bind, "run_id": run_id, "secret_file": secret_file}
         sync = setup.method.sync
         self.plan = setup.plan
         self.ledger = RestartLedger(self.plan.num_fragments, carry=sync.apply == "carry")
@@ -189,7 +197,13 @@ class SyncerService:
         http = self.config.processes.http
         server = StatusServer(http, self.status, self.actions) if http else None
         url, actions = (server.url, self.actions.enabled) if server else (None, False)
-        self.events("syncer_up", session=self.conn.session, status_url=url, actions=actions)
+        self.events(
+            "syncer_up",
+            session=self.conn.session,
+            status_url=url,
+            actions=actions,
+            **self.announced,
+        )
         try:
             while self.tokens < budget and not (limit and self.events.now() >= limit):
                 if self.stop.is_set():
@@ -456,6 +470,8 @@ class SyncerService:
         inc = report.incarnation
         added = self.totals.reported(m, inc, report.totals, report.tokens, report.rebased)
         steps, step = self.count_progress(m, report.step, *added)
+        if self.record_steps and steps and report.loss is not None:  # (no launcher relays theirs)
+            self.events("step", learner=m, step=step, loss=report.loss, batch_tokens=added[0])
         if m not in self.syncer.live:  # a life we gave up (silent: frozen, cut
             self.send(
                 m, protocol.Rehello()
