@@ -18,7 +18,6 @@ from ddiloco.config import load_config, to_toml
 from ddiloco.report.summary import REQUIRED
 from ddiloco.runtime.processes.launcher.fragments import free_port
 from ddiloco.runtime.processes.transport.events import EVENT_PREFIX
-from ddiloco.runtime.processes.transport.sockets import SECRET_ENV
 
 RUN_ID = "by-hand"
 

@@ -36,7 +36,6 @@ from ddiloco.core.learner_state import LearnerSync
 from ddiloco.data.corpus import BatchStream
 from ddiloco.errors import ConfigError
 from ddiloco.runtime.processes import protocol
-from ddiloco.runtime.processes.protocol import MAX_LOSS
 from ddiloco.runtime.processes.learner.link import SyncerLink
 from ddiloco.runtime.processes.learner.local_checkpoint import (
     LocalCheckpoints,
@@ -46,6 +45,7 @@ from ddiloco.runtime.processes.learner.local_checkpoint import (
 from ddiloco.runtime.processes.learner.peer import SnapshotServer
 from ddiloco.runtime.processes.learner.peer_copy import Copied, copy_from_peers
 from ddiloco.runtime.processes.learner.ranks import Apply, RankGroup
+from ddiloco.runtime.processes.protocol import MAX_LOSS
 from ddiloco.runtime.processes.state_file import state_key
 from ddiloco.runtime.processes.terminate import on_terminate
 from ddiloco.runtime.processes.transport.events import Events
