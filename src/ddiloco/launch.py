@@ -17,6 +17,7 @@ import contextlib
 import dataclasses
 import os
 import random
+import shutil
 import signal
 import sys
 import threading
@@ -36,7 +37,13 @@ from ddiloco.methods import method_for
 from ddiloco.report.metrics import write_json
 from ddiloco.report.run_writer import RunWriter, finish
 from ddiloco.runtime.contract import assemble, check_contract
-from ddiloco.runtime.resume import end_line, last_time, refuse_reuse, resumed_config
+from ddiloco.runtime.resume import (
+    end_line,
+    last_time,
+    refuse_reuse,
+    resumed_config,
+    write_back,
+)
 from ddiloco.runtime.run import RunSetup
 from ddiloco.runtime.sim.data_parallel import DataParallelSim
 from ddiloco.runtime.sim.engine import FragmentSim
@@ -67,7 +74,13 @@ def train(
     ``overrides``: ``key=value`` strings as ``--set`` takes them (with a file or None).
     ``out``: the run directory (default ``runs/<name>-<time>``). ``quiet``: no live progress
     lines. ``resume``: continue the run in ``out`` (its own config: ``config`` must be the
-    one it was started with; :mod:`ddiloco.runtime.resume`)."""
+    one it was started with; :mod:`ddiloco.runtime.resume`; the overrides it accepts are
+    written back to ``out/config.toml``, and summary.json never goes back to fewer tokens).
+
+    A Ctrl-C (KeyboardInterrupt) after a method finished raises :class:`Interrupted` once
+    summary.json and the plots hold the methods that finished. A start refused after the
+    run directory was made (a chaos plan, a missing TensorBoard) removes it if this call
+    made it."""
     if resume and config is None:  # the run's own config, changed by the overrides it allows
         if out is None:
             raise ConfigError("out", None, "a resume needs the run directory to continue")
@@ -95,21 +108,43 @@ def train(
         seq_len = setup.seq_len
     if processes and not resume:
         refuse_reuse(out)
+    # (a chaos plan that cannot be read is refused before the run directory is made)
+    expanded = config if resume else with_expanded_chaos(config, seq_len)
+    made = first_missing(out)  # (a start refused from here on takes it away again)
     out.mkdir(parents=True, exist_ok=True)
-    t0 = time.time() - last_time(out) if resume else None  # times go on from the last record
-    if not resume:  # a resume keeps the first launch's config and chaos plan
-        (out / "config.toml").write_text(to_toml(config), encoding="utf-8")
-        config = with_expanded_chaos(config, seq_len)
-        write_json(out / "chaos_plan.json", to_json(config.chaos))
-    if not processes:  # each process splits the corpus on its own
-        splits, evals = setup.splits, setup.eval_batches  # split once, for every method
-        del setup  # the contract's model: every method builds its own
-    # a simulated run resumes each method from its newest checkpoint, all checked first
-    restarts = sim_restarts(config, out) if resume and not processes else {}
-    if resume:
-        end_line(out)
-    writer = RunWriter(out, config, quiet=quiet, append=resume)
-    summaries = []
+    try:
+        resumed_at = last_time(out) if resume else 0.0
+        t0 = time.time() - resumed_at if resume else None  # times go on from the last record
+        if resume:  # a later resume trains to the budget this one was given
+            for change in write_back(out, config):
+                print(f"{out / 'config.toml'}: {change} (this resume's --set, kept for the next)")
+        else:  # a resume keeps the first launch's config and chaos plan
+            (out / "config.toml").write_text(to_toml(config), encoding="utf-8")
+            config = expanded
+            write_json(out / "chaos_plan.json", to_json(config.chaos))
+        if not processes:  # each process splits the corpus on its own
+            splits, evals = setup.splits, setup.eval_batches  # split once, for every method
+            del setup  # the contract's model: every method builds its own
+        # a simulated run resumes each method from its newest checkpoint, all checked first
+        restarts = sim_restarts(config, out) if resume and not processes else {}
+        if resume:
+            end_line(out)
+        starts = {m: r.tokens for m, r in restarts.items() if r is not None}
+        writer = RunWriter(
+            out,
+            config,
+            quiet=quiet,
+            append=resume,
+            methods=config.methods,
+            virtual=not processes,
+            starts=starts,
+        )
+    except BaseException:
+        if made is not None:  # nothing of the user's: the run never started
+            shutil.rmtree(made, ignore_errors=True)
+        raise
+    summaries: list[dict[str, Any]] = []
+    running = None  # the method a signal interrupted
     try:
         for method in config.methods:
             writer.begin(method)
@@ -121,6 +156,8 @@ def train(
 
             started = time.monotonic()
             if processes:
+                if resume:  # where its records go on (the plots break their lines there)
+                    emit({"kind": "resume", "t": resumed_at})
                 job = process_job(config, method, out, emit, resume, t0)
                 with stopping_on_signals(job):
                     summary = job.run()
@@ -137,10 +174,39 @@ def train(
             writer.ended(summary)
             if summary.get("stop_signal"):
                 break  # the user stopped the run: not the next method either
+    except KeyboardInterrupt:
+        if not summaries:
+            raise  # (the command: killed, no summary)
+        done = {s["method"] for s in summaries}  # (methods run in order: the first not done)
+        running = next((m for m in config.methods if m not in done), None)
     finally:
         writer.close()
-    finish(out, summaries)
-    return summaries
+    kept = finish(out, summaries, resumed=resume, interrupted=running)
+    if running is not None:  # the methods that finished keep their summary
+        raise Interrupted(running, kept, [s["method"] for s in summaries])
+    return kept
+
+
+class Interrupted(KeyboardInterrupt):
+    """A signal (Ctrl-C) stopped the run during ``method`` after the methods before it had
+    finished (``finished``): summary.json and the plots hold their summaries
+    (``summaries``; on a resume also a method's summary from an earlier launch)."""
+
+    def __init__(self, method: str, summaries: list[dict[str, Any]], finished: list[str]) -> None:
+        super().__init__(method)
+        self.method = method
+        self.summaries = summaries
+        self.finished = finished
+
+
+def first_missing(path: Path) -> Path | None:
+    """The topmost directory of ``path`` that does not exist yet (None if it does): what a
+    ``mkdir -p`` makes, so all a refused start may remove."""
+    if path.exists():
+        return None
+    while not path.parent.exists() and path.parent != path:
+        path = path.parent
+    return path
 
 
 def process_job(

@@ -78,6 +78,8 @@ def test_a_hand_started_syncer_writes_a_run_directory_that_compare_reads(tmp_pat
     assert EVENT_PREFIX not in said  # lines for a person, the records in the directory
     assert "syncer status: http://" in said and "tokens" in said and "eval" in said
     assert f"run directory: {run}" in said and "goodput" in said  # the final table
+    assert f"syncer for run {RUN_ID} listening on {address}" in said
+    assert str(secret) in said  # where the status page's buttons' secret is
     assert (run / "config.toml").is_file() and (run / "processes" / "syncer_state").is_dir()
     for m in range(2):  # each on its own port, none told which
         up = f'"peer": "127.0.0.1:{peer_port + m}"'

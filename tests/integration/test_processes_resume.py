@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -154,3 +155,29 @@ def test_a_resume_that_changes_what_was_trained_and_a_reused_directory_are_refus
     capsys.readouterr()
     assert main(["train", "--resume", str(sim)]) == 0  # (tests/integration/test_sim_resume.py)
     assert "decoupled: finished (checkpoints/step-" in capsys.readouterr().out
+
+
+def test_a_run_resumed_twice_with_raised_budgets_counts_on_and_keeps_the_budget(tmp_path, capsys):
+    # issue 33: the progress line went back to 0 and a second resume trained to the first
+    # launch's budget (the raise was never written down)
+    status = re.compile(r"tokens\s+([\d,]+) \(\s*([\d.]+)%\)")
+    run = tmp_path / "run"
+    sets = [*SETS[:-3], "processes.max_wall_seconds=120", "report.progress_seconds=0"]
+    budgets = (3000, 6000, 9000)
+    assert (
+        main(["train", "--quiet", "--out", str(run), *argv(*sets, f"train.tokens={budgets[0]}")])
+        == 0
+    )
+    held = json.loads((run / "summary.json").read_text())["tokens"]
+    capsys.readouterr()
+    for budget in budgets[1:]:
+        assert main(["train", "--resume", str(run), *argv(f"train.tokens={budget}")]) == 0
+        out = capsys.readouterr().out
+        assert re.search(rf"^tokens = {budget}$", (run / "config.toml").read_text(), re.M)
+        lines = [(int(m[1].replace(",", "")), float(m[2])) for m in status.finditer(out)]
+        assert lines and lines[0][0] >= held, out  # from where it stood, not from 0
+        assert all(p == pytest.approx(100 * t / budget, abs=0.06) for t, p in lines)
+        summary = json.loads((run / "summary.json").read_text())
+        assert summary["tokens"] >= budget and summary["tokens"] >= held  # never back
+        held = summary["tokens"]
+    assert sum(r["kind"] == "resume" for r in records(run)) == 2  # where the lines break

@@ -145,7 +145,14 @@ def test_a_spent_ticket_is_renewed_and_a_refused_fresh_one_is_fatal():
         server.close(0)  # the server restarts on the same port: the connection closes
         server = ctx.socket(zmq.ROUTER)
         serve_plain(server)
-        server.bind(f"tcp://127.0.0.1:{port}")
+        deadline = time.monotonic() + 5
+        while True:  # zmq closes the old socket asynchronously: the port frees in a moment
+            try:
+                server.bind(f"tcp://127.0.0.1:{port}")
+                break
+            except zmq.ZMQError:
+                assert time.monotonic() < deadline, f"port {port} never freed"
+                time.sleep(0.05)
         deadline = time.monotonic() + 5
         while not watch.renew and time.monotonic() < deadline:
             assert watch.poll() is None

@@ -138,3 +138,86 @@ def test_on_a_terminal_an_evaluation_status_line_supersedes_the_live_line(monkey
     assert screen.endswith("eval 3.2500  0:s2\n"), repr(screen[-120:])  # the last line stays
     last = screen.split("\n")[-2].split("\r\x1b[K")[-1]  # what the terminal shows last
     assert "eval 3.2500" in last and screen.count("\n") == 1  # no stale live line after it
+
+
+def test_a_resumed_run_counts_on_from_where_it_stood_with_an_eta_from_this_launchs_pace():
+    # seen: "30,720 (2.6%) ETA 9m01s" at 692K of 1.2M tokens after --resume
+    out, clock = io.StringIO(), Clock()
+    progress = Progress(1_200_000, stream=out, every=5.0, clock=clock, resumed=True)
+    progress("decoupled", {"kind": "restored", "versions": [3], "tokens": 692_000, "t": 50.0})
+    for i in range(1, 11):  # 1,000 tokens a wall second in this launch
+        clock.now = float(i)
+        progress("decoupled", {**_step(0, 100 + i, 3.0, 50.0 + i), "batch_tokens": 1_000})
+    last = out.getvalue().splitlines()[-1]
+    assert "tokens     702,000 ( 58.5%)" in last and "1.0K tok/s" in last, last
+    assert "ETA 8m18s" in last, last  # 498,000 tokens left at 1,000/s: not from zero
+    # a syncer restarted later in the same launch restores what it had: no count again
+    progress("decoupled", {"kind": "restored", "versions": [4], "tokens": 701_000, "t": 61.0})
+    clock.now = 16.0
+    progress("decoupled", {**_step(0, 111, 3.0, 66.0), "batch_tokens": 1_000})
+    assert "tokens     703,000" in out.getvalue().splitlines()[-1]
+
+
+def test_a_fresh_run_ignores_a_syncer_restore_and_a_later_torchrun_attempt():
+    progress, out, clock = _progress(every=5.0)
+    progress("decoupled", _step(0, 1, 3.0, 1.0))
+    progress("decoupled", {"kind": "restored", "versions": [1], "tokens": 5_000, "t": 2.0})
+    progress("data_parallel", {"kind": "resumed", "attempt": 1, "step": 3, "tokens": 900})
+    clock.now = 5.0
+    progress("data_parallel", _step(0, 4, 3.0, 5.0))
+    assert "tokens         100 (  1.0%)" in out.getvalue().splitlines()[-1]
+
+
+def test_on_the_simulated_clock_the_virtual_rate_is_labelled_and_the_eta_is_the_whole_runs():
+    # seen in the demo: an ETA of one method, read as the run's, beside a wall-clock prefix
+    out, clock = io.StringIO(), Clock()
+    methods = ["decoupled", "data_parallel"]
+    progress = Progress(10_000, stream=out, every=5.0, clock=clock, methods=methods, virtual=True)
+    progress("decoupled", {"kind": "eval", "loss": 5.0, "tokens": 0, "t": 0.0})
+    for i in range(1, 11):  # 100 tokens a wall second, 10 virtual seconds a step
+        clock.now = float(i)
+        progress("decoupled", _step(0, i, 4.0, 10.0 * i))
+    last = out.getvalue().splitlines()[-1]
+    assert "100 tok/s  virtual 10 tok/s" in last, last
+    # 1,000 of the run's 20,000 tokens in 10 wall seconds: 190 s left, both methods
+    assert "ETA 3m10s (wall, 2 methods)" in last, last
+    for i in range(11, 111):  # decoupled ends at its budget; data-parallel starts
+        clock.now = float(i)
+        progress("decoupled", _step(0, i, 4.0, 10.0 * i))
+    clock.now = 115.0
+    progress("data_parallel", {**_step(0, 1, 4.0, 1.0), "batch_tokens": 5_000})
+    progress("data_parallel", {"kind": "eval", "loss": 4.0, "tokens": 5_000, "t": 1.0})
+    last = out.getvalue().splitlines()[-1]
+    assert "data_parallel" in last and "ETA 38s (wall)" in last, last  # 15,000 of 20,000 done
+    wall = Progress(10_000, stream=io.StringIO(), clock=clock, methods=methods)
+    clock.now = 200.0
+    wall("decoupled", _step(0, 1, 4.0, 1.0))
+    wall.status()
+    assert "virtual" not in wall.stream.getvalue() and "(2 methods)" in wall.stream.getvalue()
+
+
+def test_a_resumed_simulated_run_counts_its_finished_methods_out_of_the_eta():
+    out, clock = io.StringIO(), Clock()
+    progress = Progress(
+        10_000, stream=out, every=0.0, clock=clock, methods=["decoupled", "data_parallel"],
+        virtual=True, resumed=True, starts={"decoupled": 10_000, "data_parallel": 6_000},
+    )  # fmt: skip
+    progress("decoupled", {"kind": "resume", "tokens": 10_000, "finished": True, "t": 90.0})
+    progress("data_parallel", {"kind": "resume", "tokens": 6_000, "finished": False, "t": 40.0})
+    clock.now = 10.0
+    progress("data_parallel", {**_step(0, 61, 3.0, 41.0), "batch_tokens": 1_000})
+    progress("data_parallel", {"kind": "eval", "loss": 3.0, "tokens": 7_000, "t": 41.0})
+    last = out.getvalue().splitlines()[-1]
+    assert "tokens       7,000 ( 70.0%)" in last and "ETA 30s (wall)" in last, last
+
+
+def test_a_rounds_answers_read_true_when_late_answers_ride_along():
+    progress, out, _ = _progress(every=0.0)
+    late = {"kind": "round", "answers": 3, "asked": 2, "grace": 0.5, "weights": {"0": 1, "1": 1}}
+    progress("decoupled", {**late, "t": 1.0})
+    progress("decoupled", {"kind": "eval", "loss": 4.0, "tokens": 0, "t": 1.0})
+    assert "rounds 1 (last 3 answers from 2 learners, 2 asked, grace 0.50s)" in out.getvalue()
+    fresh = {"kind": "round", "answers": 2, "asked": 3, "grace": 0.5, "weights": {"0": 1, "2": 1}}
+    progress("decoupled", {**fresh, "t": 2.0})
+    progress("decoupled", {"kind": "eval", "loss": 4.0, "tokens": 0, "t": 2.0})
+    assert "rounds 2 (last 2/3 answered, grace 0.50s)" in out.getvalue().splitlines()[-1]

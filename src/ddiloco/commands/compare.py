@@ -18,7 +18,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def load_run(path: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """(summaries of every method, metrics records) of one run directory."""
+    """(summaries of every method, metrics records) of one run directory: the records its
+    curves stand on (a resumed run's abandoned records left out, as in its own plots)."""
     summary_file = path / "summary.json"
     if not summary_file.is_file():
         raise ConfigError("run", str(path), "not a run directory (no summary.json)")

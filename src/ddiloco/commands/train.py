@@ -9,7 +9,10 @@ train before any process starts; a process that keeps failing stops the run with
 last lines and exit status 2 (as every error); the first SIGINT or SIGTERM stops the run
 cleanly (the syncer's final evaluation and summary, then summary.json and the plots as at
 a normal end) and exits 128 + the signal (130 for Ctrl-C, 143 for SIGTERM), a second one
-kills every process at once and exits 130 with no summary.
+kills every process at once and exits 130 with no summary. On any runtime, a Ctrl-C that
+interrupts a later method keeps the summary of the methods that finished (summary.json,
+the plots, the table) and says which method it interrupted. A refused start (the config,
+the pre-flight checks) leaves no run directory behind.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from typing import Any
 from ddiloco.commands import add_config_arguments
 from ddiloco.config import METHODS, RUNTIMES, WALL_CLOCK_RUNTIMES, RunConfig, load_config
 from ddiloco.errors import ConfigError
-from ddiloco.launch import DEMO_CHAOS, train
+from ddiloco.launch import DEMO_CHAOS, Interrupted, train
 from ddiloco.methods import method_for
 from ddiloco.report.text import human_bytes, table
 from ddiloco.runtime.resume import resumed_config
@@ -84,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         config = resolve(args)
         out = Path(args.out or f"runs/{config.name}-{time.strftime('%Y%m%d-%H%M%S')}")
-    out.mkdir(parents=True, exist_ok=True)
+    # (train makes the run directory once the config and the pre-flight checks have passed)
     from ddiloco.runtime.processes.launcher.supervision import LaunchError
 
     try:
@@ -92,6 +95,16 @@ def run(args: argparse.Namespace) -> int:
     except LaunchError as exc:
         print(exc.details(), file=sys.stderr, flush=True)
         raise  # the cli's one-line error, exit status 2
+    except Interrupted as stop:  # a later method: those that finished keep their summary
+        print(f"\n{render(stop.summaries)}\n\nrun directory: {out}\n{models(stop.summaries, out)}")
+        earlier = any(s["method"] == stop.method for s in stop.summaries)
+        print(
+            f"ddiloco train: interrupted during {stop.method}: summary.json and the plots hold "
+            f"{', '.join(stop.finished)}, which finished"
+            + (f" ({stop.method}: its earlier launch's summary)" if earlier else ""),
+            file=sys.stderr,
+        )
+        return 128 + signal.SIGINT
     except KeyboardInterrupt:
         print(f"\nddiloco train: killed, no summary (run directory: {out})", file=sys.stderr)
         return 128 + signal.SIGINT

@@ -1,7 +1,9 @@
 """PNG plots of a run directory: eval loss against tokens and time, each learner's train
 loss, a learner timeline with failures and observed outages, and bytes on the wire per
-second. Time is virtual seconds on the simulated clock and wall seconds on real processes
-(the run's ``runtime``, from its config.toml)."""
+second (both directions, every method). Time is virtual seconds on the simulated clock and
+wall seconds on real processes (the run's ``runtime``, from its config.toml). A resumed
+run's abandoned records (after the point a method resumed from) are left out of every plot
+(:func:`ddiloco.report.run_writer.kept_records`)."""
 
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ from matplotlib.ticker import FuncFormatter
 
 from ddiloco.config import WALL_CLOCK_RUNTIMES
 from ddiloco.report.progress import human_count
+from ddiloco.report.run_writer import kept_records, read_records
 
 COUNT = FuncFormatter(lambda x, _: human_count(x))  # tick labels: 100K, 1.5M
 LOSS_SMOOTHING = 0.1  # train-loss curves: an exponential moving average of the steps
@@ -36,8 +39,9 @@ def save(fig: Any, out: Path) -> Path:
 
 
 def read_metrics(path: Path) -> list[dict[str, Any]]:
-    with path.open(encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+    """The records a run's curves are drawn from: a line cut by a crash skipped, a resumed
+    run's abandoned records left out."""
+    return kept_records(read_records(path))
 
 
 def time_label(run_dir: Path) -> str:
@@ -57,8 +61,20 @@ def plot_run(run_dir: Path) -> list[Path]:
         plot_eval(records, run_dir / "eval_loss.png", seconds=seconds),
         plot_train_loss(records, run_dir / "train_loss.png", seconds),
         plot_timeline(records, run_dir / "timeline.png", seconds),
-        plot_bytes(records, run_dir / "bytes.png", seconds=seconds),
+        plot_bytes(records, run_dir / "bytes.png", seconds=seconds, totals=totals_of(run_dir)),
     ]
+
+
+def totals_of(run_dir: Path) -> dict[str, dict[str, Any]]:
+    """Each method's summary (its byte totals), from the run's summary.json ({} if none)."""
+    path = run_dir / "summary.json"
+    if not path.is_file():
+        return {}
+    try:
+        summary = json.loads(path.read_text(encoding="utf-8"))
+        return dict(summary.get("methods") or {summary["method"]: summary})
+    except (ValueError, KeyError, AttributeError):
+        return {}
 
 
 def plot_eval(
@@ -157,12 +173,17 @@ def train_loss_curves(
     records: Iterable[dict[str, Any]],
 ) -> dict[tuple[str, int], list[tuple[float, float]]]:
     """(time, smoothed loss) of each (method, learner). A curve breaks (a NaN point) where a
-    learner's steps do not follow on (a restart that copied a peer, a rollback): no line
-    across the outage, and the average starts again from the new life's own losses instead
-    of dragging the old life's."""
+    learner's steps do not follow on (a restart that copied a peer, a rollback) and where
+    its method resumed (a ``resume`` record: the stop/resume gap): no line across the
+    outage, and the average starts again from the new life's own losses instead of
+    dragging the old life's."""
     curves: dict[tuple[str, int], list[tuple[float, float]]] = defaultdict(list)
     last_step: dict[tuple[str, int], int] = {}
     for r in records:
+        if r["kind"] == "resume":
+            for key in [k for k in last_step if k[0] == r["method"]]:
+                del last_step[key]  # (the next step does not follow on: a break)
+            continue
         if r["kind"] != "step":
             continue
         key, loss = (r["method"], r["learner"]), float(r["loss"])
@@ -194,20 +215,73 @@ def plot_train_loss(
 def plot_bytes(
     records: Iterable[dict[str, Any]],
     out: Path,
-    bucket: float = 10.0,
+    bucket: float = 0.0,
     seconds: str = "virtual seconds",
+    totals: dict[str, dict[str, Any]] | None = None,
 ) -> Path:
-    """Syncer broadcast bytes per second, in buckets (Decoupled run)."""
-    per_bucket: dict[int, float] = defaultdict(float)
-    for r in records:
-        if r["method"] == "decoupled" and r["kind"] == "round":
-            per_bucket[int(r["t"] // bucket)] += r["broadcast_bytes"] * max(r["asked"], 1)
-    fig, ax = plt.subplots(figsize=(11, 3))
-    keys = sorted(per_bucket)
-    ax.plot(
-        [k * bucket for k in keys], [per_bucket[k] / bucket for k in keys], drawstyle="steps-post"
-    )
-    ax.set(xlabel=seconds, ylabel="bytes / s", title="Syncer -> learners bandwidth")
+    """Bytes per second on the wire, in buckets of ``bucket`` seconds (0: about 60 over the
+    run), both directions of every method (:func:`byte_series`)."""
+    series = byte_series(list(records), totals or {})
+    end = max((t for points in series.values() for t, _ in points), default=1.0)
+    bucket = bucket or max(1.0, math.ceil(end / 60))
+    fig, ax = plt.subplots(figsize=(11, 3.5))
+    for label, points in series.items():
+        per_bucket: dict[int, float] = defaultdict(float)
+        for t, n in points:
+            per_bucket[int(t // bucket)] += n
+        keys = range(min(per_bucket, default=0), max(per_bucket, default=0) + 1)
+        ax.plot(
+            [k * bucket for k in keys],
+            [per_bucket.get(k, 0.0) / bucket for k in keys],
+            drawstyle="steps-post",
+            label=label,
+        )
+    ax.set(xlabel=seconds, ylabel="bytes / s", title="Bytes on the wire, each direction")
     ax.yaxis.set_major_formatter(COUNT)
+    if series:
+        ax.set_yscale("symlog", linthresh=1.0)  # (data-parallel moves far more)
+        ax.yaxis.set_major_formatter(COUNT)
+        ax.legend(fontsize="small")
     ax.grid(alpha=0.3)
     return save(fig, out)
+
+
+def byte_series(
+    records: list[dict[str, Any]], totals: dict[str, dict[str, Any]]
+) -> dict[str, list[tuple[float, float]]]:
+    """(time, bytes) points of each method and direction. A fragment method's merges
+    broadcast each merged fragment to the learners asked (``round`` records:
+    ``broadcast_bytes`` x ``asked``); what the learners sent (their answers) has no record
+    of its own: each round's answers x its fragment's bytes, scaled so the method's sum is
+    its summary's total. Data-parallel: the all-reduce, the same bytes each way, its total
+    spread over its steps."""
+    series: dict[str, list[tuple[float, float]]] = {}
+    methods = list(dict.fromkeys(str(r.get("method")) for r in records))
+    for method in methods:
+        rows = [r for r in records if r.get("method") == method]
+        rounds = [r for r in rows if r["kind"] == "round"]
+        summary = totals.get(method, {})
+        if rounds:
+            down = [(r["t"], r["broadcast_bytes"] * max(r["asked"], 1)) for r in rounds]
+            up = [(r["t"], r["broadcast_bytes"] * r["answers"]) for r in rounds]
+            total = learners_sent(summary)
+            scale = total / max(1.0, sum(n for _, n in up)) if total else 1.0
+            series[f"{method} syncer -> learners"] = down
+            series[f"{method} learners -> syncer"] = [(t, n * scale) for t, n in up]
+            continue
+        steps = [r for r in rows if r["kind"] == "step"]
+        moved = float(summary.get("bytes_sent") or 0)
+        if steps and moved:
+            each = moved / len(steps)
+            series[f"{method} all-reduce (each way)"] = [(r["t"], each) for r in steps]
+    return series
+
+
+def learners_sent(summary: dict[str, Any]) -> float:
+    """The bytes a fragment method's learners sent, from its summary: counted by the
+    learners on the simulated clock (``bytes_sent``), by the syncer on real processes
+    (``bytes_received``)."""
+    if not summary:
+        return 0.0
+    key = "bytes_sent" if summary.get("clock") == "virtual" else "bytes_received"
+    return float(summary.get(key) or 0)

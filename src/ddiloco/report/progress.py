@@ -5,10 +5,13 @@ Fed the same records as ``metrics.jsonl`` (``ddiloco train`` calls it with each)
 the terminal says is what the run directory holds. A status line (every
 ``report.progress_seconds`` of wall time, and at each evaluation) says, for the method
 running: its clock (``t``: virtual seconds on the simulated clock, wall seconds on real
-processes), tokens trained with the share of the budget, tokens per wall second since the
-last line, the ETA at the pace since the first step, the train loss (an exponential moving
-average over every learner's steps), merged rounds with the last round's answers and grace
-window, and each learner's state:
+processes), tokens trained with the share of the budget (a resumed run's count goes on from
+where it stood), tokens per wall second since the last line (on the simulated clock also the
+``virtual`` tokens per simulated second, labelled so), the wall-clock ETA of the whole run
+(every method it still trains: wall time since this launch started, over the share of the
+work left at its start that is done), the train loss (an exponential moving average over
+every learner's steps), merged rounds with the last round's answers and grace window, and
+each learner's state:
 
 ``up`` (stepping; ``s<step>`` in the line), ``DOWN`` (crashed, lost its node, preempted,
 detected silent or exited), ``frozen``, ``joining`` (a slot asked for, not up yet),
@@ -25,7 +28,7 @@ from __future__ import annotations
 import shutil
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TextIO
 
 CLEAR_LINE = "\r\033[K"  # back to the line's start, erase it
@@ -57,22 +60,37 @@ class Progress:
     def __init__(
         self,
         total_tokens: int,
-        stream: TextIO = sys.stdout,
+        stream: TextIO | None = None,
         quiet: bool = False,
         every: float = 5.0,
         clock: Callable[[], float] = time.monotonic,
         live: bool | None = None,
+        *,
+        methods: Sequence[str] = (),
+        virtual: bool = False,
+        resumed: bool = False,
+        starts: Mapping[str, int] | None = None,
     ) -> None:
+        """``methods``: every method the run trains, in order (the ETA covers them all);
+        ``virtual``: the records' ``t`` is the simulated clock; ``resumed``: this launch
+        continues a run (its first resume, restore or resumed record says where each method
+        stood); ``starts``: the tokens each method holds at this launch's start, where known
+        before it begins (a simulated resume's checkpoints)."""
         self.total = total_tokens
-        self.stream = stream
+        self.stream = stream or sys.stdout  # (the one at the start, redirected or not)
         self.quiet = quiet
         self.every = every  # 0: status lines only at evaluations
         self.clock = clock
         # a terminal gets a live status line redrawn in place; a file or a CI log plain lines
-        self.live = stream.isatty() if live is None else live
+        self.live = self.stream.isatty() if live is None else live
         self.pinned = ""  # the live line on screen
-        self.started = clock()
+        self.started = clock()  # (the wall ETA: time since then, over the share done)
         self.method = ""
+        self.methods = list(methods)
+        self.virtual = virtual
+        self.resumed = resumed
+        self.bases: dict[str, int] = dict(starts or {})  # method -> tokens at this launch's start
+        self.done: dict[str, int] = {}  # a method this launch trained to its end -> its tokens
         self.handlers: dict[str, Callable[[dict[str, Any]], None]] = {
             "step": self._on_step,
             "round": self._on_round,
@@ -89,29 +107,38 @@ class Progress:
             "restored": self._on_restored,
             "exited": self._on_exited,
             "rollback": self._on_rollback,
+            "resume": self._on_resume,
+            "resumed": self._on_resume,
         }
         self._reset()
 
     def _reset(self) -> None:
         self.learners: dict[int, str] = {}
         self.steps: dict[int, int] = {}
-        self.tokens = 0
+        self.base = self.bases.get(self.method, 0)  # tokens at this launch's start
+        self.based = False  # a record said where this method stood (a resumed run)
+        self.counted = 0  # tokens of the steps seen in this launch
+        self.heard = 0  # the syncer's own count (a hand-started syncer's records: no steps)
+        self.tokens = self.base
         self.loss: float | None = None
         self.rounds = 0
         self.last_round = ""
         self.t = 0.0
-        self.method_started = self.clock()
+        self.t_start: float | None = None  # the method's clock at this launch's start
         self.last_line = self.clock()
-        self.last_tokens = 0
+        self.last_tokens = self.tokens
         self.rate: float | None = None
-        self.first_step: float | None = None  # (the pace since then gives the ETA)
 
     def __call__(self, method: str, record: dict[str, Any]) -> None:
         if method != self.method:
             self.close()  # (a method's last live line stays on screen)
+            if self.method:
+                self.done[self.method] = self._done_now()
             self.method = method
             self._reset()
         self.t = float(record.get("t", self.t))
+        if self.t_start is None and "t" in record:
+            self.t_start = self.t
         handler = self.handlers.get(str(record["kind"]))
         if handler is not None:
             handler(record)
@@ -119,27 +146,43 @@ class Progress:
             self.status()
 
     # -- what each record changes -------------------------------------------------------------
+    def _count(self) -> None:
+        self.tokens = max(self.base + self.counted, self.heard)
+
     def _on_step(self, r: dict[str, Any]) -> None:
         m = r["learner"]
-        if self.first_step is None:
-            self.first_step = self.clock()
         self.learners[m] = "up"
         self.steps[m] = r["step"]
-        self.tokens += int(r.get("batch_tokens", 0))
+        self.counted += int(r.get("batch_tokens", 0))
+        self._count()
         loss = float(r["loss"])
         self.loss = loss if self.loss is None else (1 - LOSS_EMA) * self.loss + LOSS_EMA * loss
 
     def _on_round(self, r: dict[str, Any]) -> None:
         self.rounds += 1
         self._heard_tokens(r)
-        self.last_round = f"last {r['answers']}/{r['asked']} answers, grace {r['grace']:.2f}s"
+        self.last_round = f"last {round_answers(r)}, grace {r['grace']:.2f}s"
 
     def _heard_tokens(self, r: dict[str, Any]) -> None:
         """A syncer's own records (no steps): the tokens it heard of, from rounds and evals."""
         if not self.steps and "tokens" in r:
-            self.tokens = max(self.tokens, int(r["tokens"]))
-            if self.first_step is None and self.tokens:
-                self.first_step = self.clock()
+            self.heard = max(self.heard, int(r["tokens"]))
+            self._count()
+
+    def _on_resume(self, r: dict[str, Any]) -> None:
+        """Where a resumed method stood: the simulated clock's ``resume`` record, the
+        processes' syncer restored from its store, the data-parallel job's first attempt
+        resumed from its checkpoint. Its tokens count from there on (once a launch: a later
+        restore within the launch is the syncer's own restart, already counted)."""
+        if r["kind"] == "resumed" and r.get("attempt"):  # torchrun restarted the job
+            return
+        if not self.resumed or self.based or "tokens" not in r:
+            return
+        shift = int(r["tokens"]) - self.base
+        self.base, self.based = int(r["tokens"]), True
+        self.bases[self.method] = self.base
+        self.last_tokens += shift  # (a count going on, not tokens trained since the last line)
+        self._count()
 
     def _on_eval(self, r: dict[str, Any]) -> None:
         self._heard_tokens(r)
@@ -199,15 +242,20 @@ class Progress:
     def _on_syncer_up(self, r: dict[str, Any]) -> None:
         if self.rounds:  # (the first one is the start)
             self.say("syncer up again")
+        if r.get("address"):  # a hand-started syncer: where its learners must point
+            self.say(f"syncer for run {r.get('run_id', '?')} listening on {r['address']}")
         if r.get("status_url"):
             self.say(f"syncer status: {r['status_url']} (also status.json, metrics)")
             if r.get("actions"):
-                self.say(
-                    "  its kill / leave buttons take the run secret ($DDILOCO_SECRET; "
-                    "ddiloco train writes it to run.secret under RUN/processes)"
+                where = (
+                    f"the file {r['secret_file']}"
+                    if r.get("secret_file")
+                    else "$DDILOCO_SECRET; ddiloco train writes it to RUN/processes/run.secret"
                 )
+                self.say(f"  its kill / leave buttons take the run secret ({where})")
 
     def _on_restored(self, r: dict[str, Any]) -> None:
+        self._on_resume(r)
         self.say(f"syncer restored from its store: versions {r.get('versions')}")
 
     def _on_exited(self, r: dict[str, Any]) -> None:
@@ -230,9 +278,13 @@ class Progress:
         parts = [f"tokens {self.tokens:>11,} ({100.0 * self.tokens / max(1, self.total):5.1f}%)"]
         if self.rate:
             parts.append(f"{human_count(self.rate)} tok/s")
-        if self.first_step is not None and now > self.first_step and self.tokens:
-            pace = self.tokens / (now - self.first_step)  # (steadier than the last interval's)
-            parts.append(f"ETA {human_seconds(max(0, self.total - self.tokens) / pace)}")
+        if self.virtual and self.t_start is not None and self.t > self.t_start:
+            virtual = (self.tokens - self.base) / (self.t - self.t_start)
+            if virtual > 0:
+                parts.append(f"virtual {human_count(virtual)} tok/s")
+        eta = self.eta(now)
+        if eta is not None:
+            parts.append(eta)
         if self.loss is not None:
             parts.append(f"loss {self.loss:.3f}")
         if extra:
@@ -244,6 +296,27 @@ class Progress:
         if extra:  # a status line that stays (an evaluation's) supersedes the live one
             self.pinned = ""
         self.say("  ".join(parts), transient=not extra)
+
+    def _done_now(self) -> int:
+        """Tokens the running method trained in this launch, up to the budget."""
+        return max(0, min(self.tokens, self.total) - min(self.base, self.total))
+
+    def eta(self, now: float) -> str | None:
+        """The wall-clock ETA of the run: wall time since this launch started, scaled by the
+        work left over the work done, in tokens of every method this launch trains (None
+        before any is done)."""
+        methods = [*self.methods, *([self.method] if self.method not in self.methods else [])]
+        left = {m: max(0, self.total - min(self.bases.get(m, 0), self.total)) for m in methods}
+        done = sum(self.done.values()) + self._done_now()
+        if done <= 0 or now <= self.started:
+            return None
+        remaining = max(0, sum(left.values()) - done)
+        to_train = sum(1 for m in methods if left[m] and m not in self.done)
+        label = ["wall"] if self.virtual else []
+        if to_train > 1:
+            label.append(f"{to_train} methods")
+        said = f" ({', '.join(label)})" if label else ""
+        return f"ETA {human_seconds((now - self.started) * remaining / done)}{said}"
 
     def _state(self, m: int) -> str:
         state = self.learners[m]
@@ -273,6 +346,17 @@ class Progress:
             self.stream.write("\n")
             self.stream.flush()
         self.pinned = ""
+
+
+def round_answers(r: dict[str, Any]) -> str:
+    """A round's answers in words that stay true when late answers (on an older base) ride
+    along or an asked learner left before the merge: ``3/4 answered`` when each answer is
+    a different asked learner's, else ``5 answers from 3 learners, 4 asked``."""
+    answers, asked = int(r["answers"]), int(r["asked"])
+    learners = len(r["weights"]) if isinstance(r.get("weights"), dict) else answers
+    if answers == learners <= asked:
+        return f"{answers}/{asked} answered"
+    return f"{answers} answers from {learners} learners, {asked} asked"
 
 
 def terminal_sink(

@@ -13,7 +13,8 @@ for each, :meth:`RunWriter.ended` with its summary; :meth:`RunWriter.close` once
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+import sys
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,9 +28,19 @@ class RunWriter:
     """Where one run's records go (see the module)."""
 
     def __init__(
-        self, out: Path, config: RunConfig, quiet: bool = False, append: bool = False
+        self,
+        out: Path,
+        config: RunConfig,
+        quiet: bool = False,
+        append: bool = False,
+        *,
+        methods: Sequence[str] = (),
+        virtual: bool = False,
+        starts: Mapping[str, int] | None = None,
     ) -> None:
-        """``append``: a resumed run adds to the records it has."""
+        """``append``: a resumed run adds to the records it has. ``methods``, ``virtual``,
+        ``starts``: for the progress line (:class:`.progress.Progress`): every method the run
+        trains, whether its clock is simulated, and where a resumed run's methods stand."""
         from ddiloco.report.tensorboard import ScalarView, TensorBoardSink
 
         self.out = out
@@ -42,7 +53,13 @@ class RunWriter:
             self.sinks.append(WandbSink(out, config))
         self.metrics = MetricsWriter(out / "metrics.jsonl", append=append)
         self.progress = Progress(
-            config.train.tokens, quiet=quiet, every=config.report.progress_seconds
+            config.train.tokens,
+            quiet=quiet,
+            every=config.report.progress_seconds,
+            methods=methods,
+            virtual=virtual,
+            resumed=append,
+            starts=starts,
         )
         self.method = ""
 
@@ -73,33 +90,114 @@ def note_status_url(out: Path, record: dict[str, Any]) -> None:
         (out / "status_url").write_text(f"{record['status_url']}\n", encoding="utf-8")
 
 
-def finish(out: Path, summaries: Sequence[dict[str, Any]]) -> None:
+def finish(
+    out: Path,
+    summaries: Sequence[dict[str, Any]],
+    *,
+    resumed: bool = False,
+    interrupted: str | None = None,
+) -> list[dict[str, Any]]:
     """``summary.json`` (the first method's summary, every method's under ``methods``, each
-    with its eval loss at equal time) and the plots."""
+    with its eval loss at equal time) and the plots; returns the summaries it holds.
+
+    ``resumed``: a resumed launch never takes a method back: a method the run's summary.json
+    already holds with more tokens keeps that summary (said on stderr; this launch's goes to
+    ``summary.fewer.json``), and a method this launch did not finish keeps its earlier one.
+    ``interrupted``: the method a signal stopped before its summary (``interrupted`` in
+    summary.json: the methods it holds are those that finished)."""
     from ddiloco.report.plots import plot_run  # (the plotting stack: only at the end)
 
-    summaries = list(summaries)
+    summaries = [dict(s) for s in summaries]
+    if resumed:
+        summaries = never_back(out, summaries)
     add_equal_time(summaries, eval_curves(out / "metrics.jsonl"))
     primary = dict(summaries[0])
     primary["methods"] = {s["method"]: s for s in summaries}
+    if interrupted is not None:
+        primary["interrupted"] = interrupted
     write_json(out / "summary.json", primary)
     plot_run(out)
+    return summaries
 
 
-def eval_curves(path: Path) -> dict[str, list[tuple[float, float]]]:
-    """Each method's (time, eval loss) evaluations, from a run's metrics (a resumed run's
-    earlier launches included; on the simulated clock, a method's evaluations after the
-    time it resumed from are the abandoned launch's, and left out)."""
-    curves: dict[str, list[tuple[float, float]]] = {}
+def never_back(out: Path, summaries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """This launch's summaries merged into the run's summary.json, none taken back to fewer
+    tokens (see :func:`finish`)."""
+    path = out / "summary.json"
+    if not path.is_file():
+        return summaries
+    try:
+        held = json.loads(path.read_text(encoding="utf-8"))
+        before = dict(held.get("methods") or {held["method"]: held})
+    except (ValueError, KeyError, AttributeError) as exc:
+        print(f"ddiloco: {path} unreadable ({exc}): replaced", file=sys.stderr, flush=True)
+        return summaries
+    kept, fewer = [], []
+    for s in summaries:
+        old = before.pop(s["method"], None)
+        if isinstance(old, dict) and int(old.get("tokens", 0)) > int(s["tokens"]):
+            fewer.append(s)
+            kept.append(old)
+            print(
+                f"ddiloco: WARNING: {s['method']} ended this launch at {s['tokens']:,} tokens, "
+                f"fewer than the {int(old['tokens']):,} of {path}: summary.json keeps the "
+                f"earlier summary (checkpoint {old.get('checkpoint')}); this launch's is in "
+                f"{out / FEWER}",
+                file=sys.stderr,
+                flush=True,
+            )
+        else:
+            kept.append(s)
+    if fewer:
+        write_json(out / FEWER, {s["method"]: s for s in fewer})
+    # a method this launch did not reach (interrupted before it) keeps its earlier summary
+    kept += [s for s in before.values() if isinstance(s, dict)]
+    return kept
+
+
+FEWER = "summary.fewer.json"  # a resumed launch's summaries that would have taken the run back
+
+
+def read_records(path: Path) -> list[dict[str, Any]]:
+    """Every record of a run's ``metrics.jsonl`` (a line cut by a crash, which a resumed run
+    leaves in place, is skipped)."""
+    records = []
     with open(path, encoding="utf-8") as f:
         for line in f:
             try:
                 r = json.loads(line)
-            except ValueError:  # a line cut by a crash (a resumed run's earlier launch)
+            except ValueError:
                 continue
-            if r.get("kind") == "resume" and "t" in r:
-                kept = [p for p in curves.get(r["method"], []) if p[0] <= float(r["t"])]
-                curves[r["method"]] = kept
-            elif r.get("kind") == "eval" and "t" in r:
-                curves.setdefault(r["method"], []).append((float(r["t"]), float(r["loss"])))
+            if isinstance(r, dict):
+                records.append(r)
+    return records
+
+
+def kept_records(records: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The records a resumed run stands on: a ``resume`` record marks the point (its ``t``)
+    a method continued from, and that method's records before it in the file with a later
+    time are the abandoned launch's (its work past the checkpoint, never counted), left out.
+    Every curve of a run is drawn from these (the plots, ``ddiloco compare``, equal time)."""
+    records = list(records)
+    resumed_at: dict[str, float] = {}  # method -> the earliest resume point after a record
+    dropped = set()
+    for i in range(len(records) - 1, -1, -1):
+        r = records[i]
+        method, t = r.get("method"), r.get("t")
+        if not isinstance(t, int | float):
+            continue
+        if r.get("kind") == "resume":
+            resumed_at[str(method)] = min(float(t), resumed_at.get(str(method), float(t)))
+        elif float(t) > resumed_at.get(str(method), float("inf")):
+            dropped.add(i)
+    return [r for i, r in enumerate(records) if i not in dropped]
+
+
+def eval_curves(path: Path) -> dict[str, list[tuple[float, float]]]:
+    """Each method's (time, eval loss) evaluations, from a run's metrics (a resumed run's
+    earlier launches included, their abandoned records left out: :func:`kept_records`)."""
+    curves: dict[str, list[tuple[float, float]]] = {}
+    for r in kept_records(read_records(path)):
+        if r.get("kind") == "eval" and "t" in r:
+            curves.setdefault(r["method"], []).append((float(r["t"]), float(r["loss"])))
     return curves

@@ -5,7 +5,12 @@ does not change what was trained: the budget (``train.tokens``, ``train.max_virt
 evaluation and checkpoint cadence, and how processes are supervised (``processes.*`` except
 ``processes.ranks``). A change to anything else (the model, the data, the methods, the seed,
 the fragment plan, the learners) is refused naming the key: the saved states would not fit it.
-``metrics.jsonl`` is appended to, never truncated.
+``metrics.jsonl`` is appended to, never truncated. What ``--set`` changed is written back to
+``RUN/config.toml`` before training starts (:func:`write_back`), so a later resume trains to
+the raised budget, not the first launch's; and a resume never takes ``summary.json`` back to
+fewer tokens than it holds (:func:`ddiloco.report.run_writer.finish` keeps the summary with
+more tokens, saying so on stderr). Evaluations stay on the run's cadence: the simulated clock
+keeps the next evaluation due in each checkpoint's state.
 
 Under ``--runtime processes`` the syncer continues from its durable store and each learner
 from its newest local checkpoint (else a healthy peer, else the global fragments); the data-
@@ -46,11 +51,12 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from pathlib import Path
 from typing import Any
 
 from ddiloco.chaos.plan import ChaosGenerators
-from ddiloco.config import RunConfig, load_config
+from ddiloco.config import RunConfig, load_config, to_toml
 from ddiloco.errors import ConfigError
 
 CONFIG = "config.toml"
@@ -90,6 +96,26 @@ def resumed_config(run: Path, overrides: list[str]) -> RunConfig:
     # processes: the plan's times are the first launch's, a resume plays no chaos; the
     # simulated clock replays the rest of its chaos_plan.json (ddiloco.runtime.sim.restart)
     return dataclasses.replace(after, chaos=(), chaos_gen=ChaosGenerators(), chaos_plan="")
+
+
+def write_back(run: Path, config: RunConfig) -> list[str]:
+    """Write what a resume changed (``config``, the run's config with the overrides it
+    accepted) into ``run``'s config.toml, its chaos as the first launch had it; return each
+    change as ``key: old -> new``. A change a resume does not accept is refused."""
+    path = run / CONFIG
+    before = load_config(path)
+    after = dataclasses.replace(
+        config, chaos=before.chaos, chaos_gen=before.chaos_gen, chaos_plan=before.chaos_plan
+    )
+    changes = _changes(before, after)
+    for key, old, new in changes:
+        if not _changeable(key):
+            raise ConfigError(key, new, f"cannot change on resume (the run has {old!r})")
+    if changes:
+        part = path.with_name(CONFIG + ".part")  # (a crash mid-write leaves the old one)
+        part.write_text(to_toml(after), encoding="utf-8")
+        os.replace(part, path)
+    return [f"{key}: {old!r} -> {new!r}" for key, old, new in changes]
 
 
 def last_time(run: Path) -> float:

@@ -120,7 +120,9 @@ class FragmentSim(SimRun):
             if node.waiting_since is not None:
                 self.idle_seconds += self.clock.now - node.waiting_since
         self.ledger.close()
+        due = self.next_eval
         final = self.evaluate()
+        self.next_eval = due  # (its final state: a resume to a raised budget keeps the cadence)
         if self.checkpoints is not None:  # the model a user takes home
             state = self.state_dict(final=True)
             self.checkpoints.write_fragments(self.syncer.fragments, self.tokens, final, state)

@@ -639,7 +639,8 @@ class SyncerService:
         """Start an evaluation of the global model on the evaluator's thread (skipped and
         counted while the previous one still runs)."""
         self.evaluator.submit(self.syncer.fragments, self.tokens)
-        self.next_eval = self.tokens + self.config.train.eval_every
+        every = self.config.train.eval_every  # (on the run's grid: a resume keeps the cadence)
+        self.next_eval = (self.tokens // every + 1) * every
 
     def write_final(self, loss: float) -> None:
         """The run's checkpoint, after the last merge (and the periodic one in flight); a
