@@ -19,7 +19,8 @@ from rundir import argv, records
 from ddiloco.checkpoints.format import steps_in
 from ddiloco.cli import main
 from ddiloco.errors import ConfigError
-from ddiloco.report.run_writer import FEWER, RunWriter, kept_records
+from ddiloco.report.metrics import kept_records
+from ddiloco.report.run_writer import FEWER, RunWriter
 
 TOKENS_PER_STEP = 2 * 64  # one learner step: batch_size x gpt-tiny's context
 SETS = [

@@ -206,3 +206,14 @@ def test_an_impossible_fraction_is_refused(fraction):
     opt = make_outer_optimizer(OuterConfig("nesterov"))
     with pytest.raises(ConfigError, match="fraction"):
         opt.step([torch.zeros(2)], [torch.ones(2)], 1.0, fraction)
+
+
+def test_no_momentum_keeps_no_buffer_and_a_saved_one_is_not_loaded():
+    """mu = 0 (Decoupled's default outer step) holds no copy of the model beside it."""
+    opt = make_outer_optimizer(OuterConfig("nesterov", lr=1.0, momentum=0.0))
+    theta = [torch.zeros(4)]
+    opt.step(theta, [torch.ones(4)], scale=0.5, fraction=0.25)  # (nothing for them to scale)
+    assert torch.equal(theta[0], -torch.ones(4))
+    assert opt.state_dict() == {"steps": 1, "buffers": None}
+    opt.load_state_dict({"steps": 3, "buffers": [torch.ones(4)]})
+    assert opt.state_dict() == {"steps": 3, "buffers": None}

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 
+from ddiloco.report.metrics import kept_records
 from ddiloco.report.plots import (
     byte_series,
     learners_sent,
@@ -12,7 +13,7 @@ from ddiloco.report.plots import (
     read_metrics,
     train_loss_curves,
 )
-from ddiloco.report.run_writer import eval_curves, kept_records
+from ddiloco.report.run_writer import eval_curves
 
 
 def _step(m: int, step: int, loss: float, t: float) -> dict[str, object]:

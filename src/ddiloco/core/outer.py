@@ -125,6 +125,8 @@ class NesterovSGD:
     """SGD with Nesterov momentum, identical to ``torch.optim.SGD(nesterov=True)``.
 
     buf <- mu * buf + Delta (buf = Delta on the first step); Theta <- Theta - lr (Delta + mu buf).
+    With mu = 0 (Decoupled's default) that is Theta - lr Delta and no buffer is kept: one fp32
+    copy of the model less in the syncer's memory (torch's SGD keeps none either).
     """
 
     def __init__(self, lr: float, momentum: float) -> None:
@@ -138,6 +140,11 @@ class NesterovSGD:
         self, params: Tensors, grads: Tensors, scale: float = 1.0, fraction: float = 1.0
     ) -> None:
         _check(params, grads, scale, fraction)
+        if self.momentum == 0.0:  # (exactly torch's SGD without momentum)
+            for p, g in zip(params, grads, strict=True):
+                p.add_(g, alpha=-self.lr)
+            self.steps += 1
+            return
         # (x * 1.0 and x / 1.0 are exact, and mu ** 1.0 is mu: s = f = 1 is plain Nesterov)
         decay = self.momentum if fraction == 1.0 else self.momentum**fraction
         if self.buffers is None:
@@ -155,8 +162,8 @@ class NesterovSGD:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.steps = int(state["steps"])
-        buffers = state["buffers"]
-        self.buffers = _copy(buffers)
+        # (a buffer saved by an older build under mu = 0 is never read: not kept)
+        self.buffers = None if self.momentum == 0.0 else _copy(state["buffers"])
 
 
 class DelayedNesterov:

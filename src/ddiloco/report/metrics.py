@@ -1,10 +1,12 @@
-"""Run directories: metrics as JSON lines, and JSON files (the summary).
+"""Run directories: metrics as JSON lines (written, and read back as the curves stand on
+them), and JSON files (the summary).
 
 Live progress on the terminal is report/progress.py, fed the same records."""
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -28,3 +30,38 @@ class MetricsWriter:
 
 def write_json(path: Path, data: Any) -> None:
     path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+
+def read_records(path: Path) -> list[dict[str, Any]]:
+    """Every record of a run's ``metrics.jsonl`` (a line cut by a crash, which a resumed run
+    leaves in place, is skipped)."""
+    records = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            try:
+                r = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(r, dict):
+                records.append(r)
+    return records
+
+
+def kept_records(records: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The records a resumed run stands on: a ``resume`` record marks the point (its ``t``)
+    a method continued from, and that method's records before it in the file with a later
+    time are the abandoned launch's (its work past the checkpoint, never counted), left out.
+    Every curve of a run is drawn from these (the plots, ``ddiloco compare``, equal time)."""
+    records = list(records)
+    resumed_at: dict[str, float] = {}  # method -> the earliest resume point after a record
+    dropped = set()
+    for i in range(len(records) - 1, -1, -1):
+        r = records[i]
+        method, t = r.get("method"), r.get("t")
+        if not isinstance(t, int | float):
+            continue
+        if r.get("kind") == "resume":
+            resumed_at[str(method)] = min(float(t), resumed_at.get(str(method), float(t)))
+        elif float(t) > resumed_at.get(str(method), float("inf")):
+            dropped.add(i)
+    return [r for i, r in enumerate(records) if i not in dropped]

@@ -3,7 +3,7 @@ loss, a learner timeline with failures and observed outages, and bytes on the wi
 second (both directions, every method). Time is virtual seconds on the simulated clock and
 wall seconds on real processes (the run's ``runtime``, from its config.toml). A resumed
 run's abandoned records (after the point a method resumed from) are left out of every plot
-(:func:`ddiloco.report.run_writer.kept_records`)."""
+(:func:`ddiloco.report.metrics.kept_records`)."""
 
 from __future__ import annotations
 
@@ -22,8 +22,8 @@ import matplotlib.pyplot as plt
 from matplotlib.ticker import FuncFormatter
 
 from ddiloco.config import WALL_CLOCK_RUNTIMES
+from ddiloco.report.metrics import kept_records, read_records
 from ddiloco.report.progress import human_count
-from ddiloco.report.run_writer import kept_records, read_records
 
 COUNT = FuncFormatter(lambda x, _: human_count(x))  # tick labels: 100K, 1.5M
 LOSS_SMOOTHING = 0.1  # train-loss curves: an exponential moving average of the steps
