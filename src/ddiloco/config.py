@@ -16,7 +16,7 @@ from typing import Any
 
 from ddiloco.chaos.plan import LINK_KINDS, ChaosEvent, ChaosGenerators
 from ddiloco.config_sync import DiLoCoConfig, StreamingConfig, SyncConfig, move_flat_keys
-from ddiloco.errors import require
+from ddiloco.errors import ConfigError, require
 from ddiloco.typed_toml import build, read_toml, set_override
 
 METHODS = ("decoupled", "decoupled_sync", "streaming", "diloco", "data_parallel", "elastic_dp")
@@ -354,7 +354,15 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     data: dict[str, Any] = read_toml(path) if path is not None else {}
     for item in overrides or []:
         set_override(data, item)
-    return typing.cast(RunConfig, build(RunConfig, move_flat_keys(data)))
+    moved: dict[str, str] = {}
+    data = move_flat_keys(data, moved)
+    try:
+        return typing.cast(RunConfig, build(RunConfig, data))
+    except ConfigError as exc:
+        if exc.field not in moved:
+            raise
+        why = f"{exc.why} (given as {moved[exc.field]}, its earlier name)"
+        raise type(exc)(exc.field, exc.value, why) from None
 
 
 def to_toml(config: RunConfig) -> str:

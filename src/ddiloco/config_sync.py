@@ -220,9 +220,10 @@ FLAT_KEYS: dict[str, tuple[str, ...]] = {
 }
 
 
-def move_flat_keys(data: dict[str, Any]) -> dict[str, Any]:
+def move_flat_keys(data: dict[str, Any], moved: dict[str, str] | None = None) -> dict[str, Any]:
     """A raw config (TOML and overrides) with the earlier versions' flat keys moved to their
-    tables; a key given both ways is refused, naming both."""
+    tables; a key given both ways is refused, naming both. ``moved`` collects new key -> the
+    old name it was given as (an error about the value can then name what the user wrote)."""
     sync = data.get("sync")
     if not isinstance(sync, dict):
         return data
@@ -241,4 +242,6 @@ def move_flat_keys(data: dict[str, Any]) -> dict[str, Any]:
             if key in node:
                 raise ConfigError(old, value, f"given twice: as {old} and as {new} (its name now)")
             node[key] = value
+            if moved is not None:
+                moved[new] = old
     return data

@@ -38,7 +38,10 @@ from ddiloco.report.metrics import write_json
 from ddiloco.report.run_writer import RunWriter, finish
 from ddiloco.runtime.contract import assemble, check_contract
 from ddiloco.runtime.resume import (
+    carry_bytes,
     end_line,
+    finished_methods,
+    held_summaries,
     last_time,
     refuse_reuse,
     resumed_config,
@@ -113,8 +116,9 @@ def train(
     made = first_missing(out)  # (a start refused from here on takes it away again)
     out.mkdir(parents=True, exist_ok=True)
     try:
-        resumed_at = last_time(out) if resume else 0.0
-        t0 = time.time() - resumed_at if resume else None  # times go on from the last record
+        # a resumed method's times go on from its last record; a method that never ran
+        # before starts its clock at 0, as in a first launch
+        resumed_at = {m: last_time(out, m) for m in config.methods} if resume else {}
         if resume:  # a later resume trains to the budget this one was given
             for change in write_back(out, config):
                 print(f"{out / 'config.toml'}: {change} (this resume's --set, kept for the next)")
@@ -127,9 +131,13 @@ def train(
             del setup  # the contract's model: every method builds its own
         # a simulated run resumes each method from its newest checkpoint, all checked first
         restarts = sim_restarts(config, out) if resume and not processes else {}
+        # ... real processes from their stores, except a method that reached the budget
+        held = held_summaries(out) if resume and processes else {}
+        finished = finished_methods(out, config) if resume and processes else {}
         if resume:
             end_line(out)
         starts = {m: r.tokens for m, r in restarts.items() if r is not None}
+        starts.update({m: int(s["tokens"]) for m, s in finished.items()})
         writer = RunWriter(
             out,
             config,
@@ -147,20 +155,30 @@ def train(
     running = None  # the method a signal interrupted
     try:
         for method in config.methods:
+            if method in finished:  # (its summary stays as summary.json holds it)
+                summaries.append(finished[method])
+                continue
             writer.begin(method)
 
             def emit(record: dict[str, Any], method: str = method) -> None:
                 writer.emit(record)
                 if record["kind"] == "exited" and record["code"] and not record["gave_up"]:
-                    print(exited_line(method, record), file=sys.stderr, flush=True)
+                    if writer.progress.quiet:  # (a failure is said even then)
+                        line = f"[t={record['t']:8.1f}] {method:<14} {exited_line(record)}"
+                        print(line, file=sys.stderr, flush=True)
+                    else:  # in the progress lines' shape, under a terminal's live line
+                        writer.progress.say(exited_line(record))
 
             started = time.monotonic()
             if processes:
-                if resume:  # where its records go on (the plots break their lines there)
-                    emit({"kind": "resume", "t": resumed_at})
+                t0 = None  # (its clock starts with it)
+                if resumed_at.get(method):  # where its records go on (the plots break there)
+                    emit({"kind": "resume", "t": resumed_at[method]})
+                    t0 = time.time() - resumed_at[method]
                 job = process_job(config, method, out, emit, resume, t0)
                 with stopping_on_signals(job):
                     summary = job.run()
+                carry_bytes(summary, held.get(method))
             elif resume:
                 restart = restarts[method]
                 note = restart.note(out) if restart else dict(FROM_SCRATCH)
@@ -253,7 +271,7 @@ def stopping_on_signals(launcher: Launcher | DataParallelJob) -> Iterator[None]:
             signal.signal(s, previous)
 
 
-def exited_line(method: str, r: dict[str, Any]) -> str:
+def exited_line(r: dict[str, Any]) -> str:
     """A process that exited on its own, for the terminal: what it said, what happens next."""
     from ddiloco.runtime.processes.launcher.supervision import describe
 
@@ -262,10 +280,7 @@ def exited_line(method: str, r: dict[str, Any]) -> str:
         then = f"restarting in {r['delay']:.1f}s (failure {r['failures']} in a row)"
     else:  # (one given up is told by the LaunchError, with its log)
         then = "giving up" if r["gave_up"] else "not restarted"
-    return (
-        f"[t={r['t']:8.1f}] {method:<14} {r['process']} exited with {describe(r['code'])}"
-        f"{said}: {then}"
-    )
+    return f"{r['process']} exited with {describe(r['code'])}{said}: {then}"
 
 
 def with_expanded_chaos(config: RunConfig, seq_len: int) -> RunConfig:

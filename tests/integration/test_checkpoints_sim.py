@@ -220,3 +220,31 @@ def test_a_bpe_run_keeps_its_tokenizer_and_samples_with_it(tmp_path, capsys):
     result = json.loads(capsys.readouterr().out)
     assert len(result["tokens"]) == 9 and max(result["tokens"]) < 300
     assert result["text"] == ckpt.tokenizer.decode(result["tokens"])
+
+
+def test_a_hugging_face_model_on_bpe_data_ends_texts_with_the_tokenizers_end_of_text(tmp_path):
+    """A config made for another tokenizer (eos 2, as Llama's) is written with the id that
+    ended each document in training, so ``generate`` stops at the end of a text."""
+    transformers = pytest.importorskip("transformers")
+    words = "the king said that his crown was heavy and all the lords slept under the moon"
+    (tmp_path / "corpus.txt").write_text((words + ".\n") * 3000)
+    data = tmp_path / "bpe"
+    prepare = ["data", "prepare", "--source", str(tmp_path / "corpus.txt"), "--out", str(data)]
+    assert main([*prepare, "--tokenizer", "bpe:300"]) == 0
+    hf_dir = tmp_path / "gpt2-tiny"
+    transformers.GPT2Config(
+        n_layer=1, n_head=2, n_embd=16, n_positions=32, vocab_size=300, bos_token_id=1,
+        eos_token_id=2,
+    ).save_pretrained(hf_dir)  # fmt: skip
+    overrides = [
+        *BASE, f"model='hf:{hf_dir}'", "methods=['decoupled']", "train.tokens=512",
+        f"data.source='{data}'",
+    ]  # fmt: skip
+    (summary,) = train(load_config(None, overrides), tmp_path / "run", quiet=True)
+    ckpt = tmp_path / "run" / summary["checkpoint"]
+    model = transformers.AutoModelForCausalLM.from_pretrained(ckpt)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(ckpt)
+    assert tokenizer.eos_token_id == 0
+    assert model.config.eos_token_id == model.generation_config.eos_token_id == 0
+    assert model.config.bos_token_id == model.generation_config.bos_token_id == 0
+    load_checkpoint(ckpt)  # (the manifest's digests cover the rewritten files)

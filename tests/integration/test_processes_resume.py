@@ -163,14 +163,15 @@ def test_a_run_resumed_twice_with_raised_budgets_counts_on_and_keeps_the_budget(
     status = re.compile(r"tokens\s+([\d,]+) \(\s*([\d.]+)%\)")
     run = tmp_path / "run"
     sets = [*SETS[:-3], "processes.max_wall_seconds=120", "report.progress_seconds=0"]
-    budgets = (3000, 6000, 9000)
+    budget = 3000
     assert (
-        main(["train", "--quiet", "--out", str(run), *argv(*sets, f"train.tokens={budgets[0]}")])
-        == 0
+        main(["train", "--quiet", "--out", str(run), *argv(*sets, f"train.tokens={budget}")]) == 0
     )
-    held = json.loads((run / "summary.json").read_text())["tokens"]
+    first = json.loads((run / "summary.json").read_text())
+    held, sent = first["tokens"], first["bytes_sent"]
     capsys.readouterr()
-    for budget in budgets[1:]:
+    for _ in range(2):
+        budget = held + 3000  # (a run ends past its budget: learners step until the end)
         assert main(["train", "--resume", str(run), *argv(f"train.tokens={budget}")]) == 0
         out = capsys.readouterr().out
         assert re.search(rf"^tokens = {budget}$", (run / "config.toml").read_text(), re.M)
@@ -179,5 +180,13 @@ def test_a_run_resumed_twice_with_raised_budgets_counts_on_and_keeps_the_budget(
         assert all(p == pytest.approx(100 * t / budget, abs=0.06) for t, p in lines)
         summary = json.loads((run / "summary.json").read_text())
         assert summary["tokens"] >= budget and summary["tokens"] >= held  # never back
-        held = summary["tokens"]
+        assert summary["bytes_sent"] > sent  # the launches' bytes add up
+        held, sent = summary["tokens"], summary["bytes_sent"]
     assert sum(r["kind"] == "resume" for r in records(run)) == 2  # where the lines break
+    count = len(records(run))  # a resume with nothing left to train starts no process
+    assert main(["train", "--resume", str(run)]) == 0
+    assert f"decoupled: finished ({held:,} tokens of {budget:,}): not run again" in (
+        capsys.readouterr().out
+    )
+    assert len(records(run)) == count
+    assert json.loads((run / "summary.json").read_text())["tokens"] == held

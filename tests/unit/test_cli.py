@@ -103,3 +103,29 @@ def test_plan_takes_a_runs_config_and_its_options_override_it(tmp_path, capsys):
     (tmp_path / "empty").mkdir()
     assert main(["plan", "--config", str(tmp_path / "empty")]) == 2
     assert "a directory with no config.toml" in capsys.readouterr().err
+
+
+def test_a_learners_log_lines_name_it_once_and_an_exit_reason_drops_the_logs_time():
+    """What a user reads when a learner dies: ``learner 1: killed by ...``, not ``learner 1
+    learner 1: ...`` nor the log's timestamp inside the launcher's own line."""
+    import logging
+
+    from ddiloco.commands.learner import Who
+    from ddiloco.launch import exited_line
+    from ddiloco.runtime.processes.launcher.supervision import reason
+
+    who = Who(1)
+
+    def line(msg: str) -> str:
+        return who.format(logging.LogRecord("ddiloco", logging.ERROR, "", 0, msg, None, None))
+
+    named, bare = line("learner 1: killed by an operator"), line("learner checkpoint failed")
+    assert named.endswith(" learner 1: killed by an operator") and "learner 1 learner" not in named
+    assert bare.endswith(" learner 1 learner checkpoint failed")
+    said = reason(["", named])
+    assert said == "learner 1: killed by an operator"
+    record = {"process": "learner-1", "code": 1, "reason": said, "restart": True, "delay": 1.0}
+    assert exited_line({**record, "failures": 1}) == (
+        "learner-1 exited with code 1 (learner 1: killed by an operator): "
+        "restarting in 1.0s (failure 1 in a row)"
+    )

@@ -142,6 +142,9 @@ def test_the_sync_tables_nest_as_the_core_is_built_and_the_flat_keys_still_load(
     assert (core.outer.lr, core.outer.momentum, core.robust.norm_clip) == (0.5, 0.9, 8.0)
     assert nested.sync.codec.answers_spec().block_size == 64
     assert "\n[sync.rounds]\nquorum = 2\n" in to_toml(nested)
+    # a bad value given under its earlier name: the error names what the user wrote too
+    with pytest.raises(ConfigError, match=r"sync\.rounds\.quorum=9: .*\(given as sync\.quorum, "):
+        load_config(None, ["train.learners=4", "sync.quorum=9"])
     with pytest.raises(ConfigError, match=r"given twice: as sync\.quorum and as sync\.rounds"):
         load_config(None, ["sync.quorum=2", "sync.rounds.quorum=3"])
     with pytest.raises(ConfigError, match=r"as sync\.mean_outer_lr and as diloco\.outer_lr"):

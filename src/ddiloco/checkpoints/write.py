@@ -116,6 +116,8 @@ def write_checkpoint(
         tokenizer.save(tmp)
         for name, content in transformers_files(tokenizer, model_context(model)).items():
             _write_json(tmp / name, content)  # (eos_token for AutoTokenizer: issue 33)
+        if kind == "hf" and tokenizer.eot is not None:
+            end_of_text_ids(tmp, tokenizer.eot)
         (tmp / RUN_CONFIG).write_text(to_toml(config), encoding="utf-8")
         files = {}
         for f in sorted(tmp.rglob("*")):
@@ -331,6 +333,19 @@ def _temp_beside(path: Path) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
     tmp.chmod(0o755)
     return tmp
+
+
+def end_of_text_ids(directory: Path, eot: int) -> None:
+    """A Hugging Face model's ``eos_token_id``/``bos_token_id`` (config.json and
+    generation_config.json, as ``save_pretrained`` wrote them) set to the id that ended each
+    document in training: a config made for another tokenizer (Llama's eos 2) would have
+    ``generate`` stop at a word of this one's, never at the end of a text."""
+    for name in (MODEL_CONFIG, "generation_config.json"):
+        path = directory / name
+        if path.is_file():
+            config = json.loads(path.read_text(encoding="utf-8"))
+            config.update(eos_token_id=eot, bos_token_id=eot)
+            _write_json(path, config)
 
 
 def _write_json(path: Path, value: dict[str, Any]) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import re
 import threading
 import time
 from pathlib import Path
@@ -83,7 +84,9 @@ def run(args: argparse.Namespace) -> int:
 
     require((args.id is None) == args.spare, "--id", args.id, "give a slot, or --spare (not both)")
     who = "spare" if args.spare else args.id
-    logging.basicConfig(level=logging.WARNING, format=f"%(asctime)s learner {who} %(message)s")
+    logging.basicConfig(level=logging.WARNING)
+    for handler in logging.getLogger().handlers:
+        handler.setFormatter(Who(who))
     logging.getLogger("ddiloco").setLevel(logging.INFO)  # ours: a peer copy's progress lines
     parse_address(args.syncer, "--syncer")
     config = load_config(args.config, list(args.set))
@@ -154,6 +157,23 @@ def take_over(args: argparse.Namespace, setup: Any) -> bool:
     if order.get("gpus"):  # before anything touches CUDA (its first use reads it)
         os.environ["CUDA_VISIBLE_DEVICES"] = str(order["gpus"])
     for handler in logging.getLogger().handlers:
-        handler.setFormatter(logging.Formatter(f"%(asctime)s learner {args.id} %(message)s"))
+        handler.setFormatter(Who(args.id))
     require(0 <= args.id < setup.slots, "id", args.id, f"slots are 0..{setup.slots - 1}")
     return True
+
+
+NAMED = re.compile(r"learner \d+\b")  # a message that names its learner itself
+
+
+class Who(logging.Formatter):
+    """``TIME learner M message``, where a message that names its learner itself ("learner
+    3: ...", as the link's and the peer copy's do) is not prefixed twice."""
+
+    def __init__(self, who: object) -> None:
+        super().__init__("%(asctime)s %(message)s")
+        self.who = who
+
+    def formatMessage(self, record: logging.LogRecord) -> str:
+        said = record.message
+        who = "" if NAMED.match(said) else f"learner {self.who} "
+        return f"{record.asctime} {who}{said}"

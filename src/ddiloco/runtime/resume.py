@@ -118,9 +118,51 @@ def write_back(run: Path, config: RunConfig) -> list[str]:
     return [f"{key}: {old!r} -> {new!r}" for key, old, new in changes]
 
 
-def last_time(run: Path) -> float:
-    """The time of the run's last metrics record (events of the resumed run continue from
-    it), 0 if there is none."""
+def finished_methods(run: Path, config: RunConfig) -> dict[str, dict[str, Any]]:
+    """The methods of ``run``'s summary.json that trained to ``config``'s budget and were not
+    stopped early (each one's summary), said on the terminal: a resume of real processes does
+    not start them again (a simulated run tells the same from its final checkpoints)."""
+    done = {}
+    methods = held_summaries(run)
+    for method in config.methods:
+        s = methods.get(method)
+        if (
+            isinstance(s, dict)
+            and isinstance(s.get("tokens"), int)
+            and s["tokens"] >= config.train.tokens
+            and not s.get("stop_signal")
+        ):
+            done[method] = s
+            print(
+                f"{method}: finished ({s['tokens']:,} tokens of {config.train.tokens:,}): "
+                "not run again"
+            )
+    return done
+
+
+def held_summaries(run: Path) -> dict[str, dict[str, Any]]:
+    """Each method's summary in ``run``'s summary.json ({} if there is none or it is
+    unreadable: every method then resumes from its own state)."""
+    try:
+        held = json.loads((run / "summary.json").read_text(encoding="utf-8"))
+        methods = dict(held.get("methods") or {held["method"]: held})
+    except (OSError, ValueError, KeyError, AttributeError, TypeError):
+        return {}
+    return {m: s for m, s in methods.items() if isinstance(s, dict)}
+
+
+def carry_bytes(summary: dict[str, Any], before: dict[str, Any] | None) -> None:
+    """A resumed real-process method's byte counts go on from its earlier launches' (its
+    syncer counts from its own start): the earlier summary's, where one was written (a launch
+    killed with no summary is missing from them)."""
+    for key in ("bytes_sent", "bytes_received"):
+        if before and isinstance(before.get(key), int) and isinstance(summary.get(key), int):
+            summary[key] += before[key]
+
+
+def last_time(run: Path, method: str | None = None) -> float:
+    """The time of the run's last metrics record (of ``method``'s, when given: events of the
+    resumed run continue from it), 0 if there is none."""
     path = run / METRICS
     if not path.is_file():
         return 0.0
@@ -128,9 +170,12 @@ def last_time(run: Path) -> float:
     with path.open(encoding="utf-8") as f:
         for line in f:
             try:
-                t = json.loads(line).get("t")
+                record = json.loads(line)
             except ValueError:  # a line cut by the crash: the records before it stand
                 continue
+            if not isinstance(record, dict) or method not in (None, record.get("method")):
+                continue
+            t = record.get("t")
             if isinstance(t, int | float):
                 last = max(last, float(t))
     return last

@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import re
 import signal
 import time
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ from ddiloco.errors import FATAL_EXIT, DDiLoCoError
 
 HEALTHY_SECONDS = 10.0  # a life up this long was not a failed start
 TAIL_LINES = 20
+LOG_TIME = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} ")  # logging's asctime
 UP_KINDS = ("syncer_up", "learner_up", "proxy_up")
 PROGRESS_KINDS = ("step", "round")  # a learner trained, a syncer merged
 
@@ -65,7 +67,7 @@ def reason(lines: list[str]) -> str:
     if cause:
         return cause
     words = (line.strip() for line in reversed(lines) if any(c.isalnum() for c in line))
-    return next(words, "")[:500]
+    return LOG_TIME.sub("", next(words, ""), count=1)[:500]  # (the log's own time: noise here)
 
 
 def torchrun_cause(lines: list[str]) -> str:
