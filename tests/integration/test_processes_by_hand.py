@@ -78,6 +78,8 @@ def test_a_hand_started_syncer_writes_a_run_directory_that_compare_reads(tmp_pat
     assert EVENT_PREFIX not in said  # lines for a person, the records in the directory
     assert "syncer status: http://" in said and "tokens" in said and "eval" in said
     assert f"run directory: {run}" in said and "goodput" in said  # the final table
+    row = next(line for line in said.splitlines() if line.startswith("decoupled "))
+    assert row.split()[1] == row.split()[2], row  # at equal time: its own end, its last eval
     assert f"syncer for run {RUN_ID} listening on {address}" in said
     assert str(secret) in said  # where the status page's buttons' secret is
     assert (run / "config.toml").is_file() and (run / "processes" / "syncer_state").is_dir()

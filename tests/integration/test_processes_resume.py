@@ -181,6 +181,8 @@ def test_a_run_resumed_twice_with_raised_budgets_counts_on_and_keeps_the_budget(
         summary = json.loads((run / "summary.json").read_text())
         assert summary["tokens"] >= budget and summary["tokens"] >= held  # never back
         assert summary["bytes_sent"] > sent  # the launches' bytes add up
+        moved = summary["bytes_sent"] + summary["bytes_received"]
+        assert summary["bytes_per_token"] == pytest.approx(moved / summary["tokens"])
         held, sent = summary["tokens"], summary["bytes_sent"]
     assert sum(r["kind"] == "resume" for r in records(run)) == 2  # where the lines break
     count = len(records(run))  # a resume with nothing left to train starts no process

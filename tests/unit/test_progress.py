@@ -93,7 +93,8 @@ def test_a_hand_started_syncer_counts_the_tokens_it_hears_of_and_says_who_acted(
     assert "operator at ::1: kill learner 1 (status page)" in lines[-1]
     progress("decoupled", {"kind": "detected", "learner": 1, "t": 11.0})
     clock.now = 16
-    progress("decoupled", {"kind": "joined", "learner": 1, "t": 16.0})  # its restart is let in
+    progress("decoupled", {"kind": "joined", "learner": 1, "step": 300, "t": 16.0})  # let in
+    assert "t=    16.0  learner 1 joined again at step 300\n" in out.getvalue()
     progress("decoupled", {"kind": "eval", "loss": 3.0, "tokens": 6000, "t": 16.0})
     assert "0:up 1:up" in out.getvalue().splitlines()[-1]
 

@@ -36,8 +36,8 @@ def test_a_method_at_its_budget_is_not_run_again_and_bytes_add_up(tmp_path, caps
     assert finished_methods(tmp_path, raised) == {}  # a raised budget trains on
     (tmp_path / "summary.json").write_text("{not json")
     assert finished_methods(tmp_path, config) == {}  # unreadable: every method resumes
-    summary = {"bytes_sent": 7, "bytes_received": 3}
-    carry_bytes(summary, done)
-    assert summary == {"bytes_sent": 12, "bytes_received": 3}  # (none received before)
+    summary = {"bytes_sent": 7, "bytes_received": 3, "tokens": 3, "bytes_per_token": 10 / 3}
+    carry_bytes(summary, done)  # (done received none before)
+    assert summary == {"bytes_sent": 12, "bytes_received": 3, "tokens": 3, "bytes_per_token": 5}
     carry_bytes(summary, None)
-    assert summary == {"bytes_sent": 12, "bytes_received": 3}
+    assert summary["bytes_sent"] == 12 and summary["bytes_per_token"] == 5

@@ -26,3 +26,21 @@ def test_every_method_is_read_at_the_first_methods_finish():
     assert [s["equal_time_seconds"] for s in summaries] == [20.0, 20.0]
     assert summaries[0]["eval_loss_equal_time"] == 3.1  # its own final loss
     assert summaries[1]["eval_loss_equal_time"] == pytest.approx(3.0)
+
+
+def test_the_tables_equal_time_names_the_method_that_set_it_and_compare_says_each_runs():
+    from ddiloco.commands.train import render
+
+    def s(method: str, seconds: float, horizon: float) -> dict:
+        return {
+            "method": method, "eval_loss": 4.0, "eval_loss_equal_time": 4.1, "tokens": 100,
+            "tokens_merged": 100, "tokens_wasted": {}, "goodput": 1.0, "uptime": 1.0,
+            "virtual_seconds": seconds, "equal_time_seconds": horizon, "bytes_per_token": 8,
+            "clock": "wall",
+        }  # fmt: skip
+
+    # summary.json's methods come back sorted: data_parallel before the decoupled that set it
+    one_run = render([s("data_parallel", 166, 119), s("decoupled", 119, 119)])
+    assert "at 119 wall s: when decoupled finished" in one_run
+    two_runs = render([s("a/decoupled", 119, 119), s("b/decoupled", 62, 62)])
+    assert "at equal time: each run's, when its first method finished" in two_runs

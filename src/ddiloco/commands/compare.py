@@ -24,7 +24,9 @@ def load_run(path: Path) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     if not summary_file.is_file():
         raise ConfigError("run", str(path), "not a run directory (no summary.json)")
     summary = json.loads(summary_file.read_text(encoding="utf-8"))
-    summaries = list(summary.get("methods", {summary["method"]: summary}).values())
+    methods = summary.get("methods", {summary["method"]: summary})
+    first = methods.get(summary["method"], summary)  # (the run's first method, then the rest)
+    summaries = [first, *(s for m, s in methods.items() if m != summary["method"])]
     metrics = path / "metrics.jsonl"
     return summaries, read_metrics(metrics) if metrics.is_file() else []
 

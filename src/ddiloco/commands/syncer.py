@@ -89,6 +89,7 @@ def run(args: argparse.Namespace) -> int:
     store = Path(args.store) if args.store else default_store(out, args.method, config.name)
     t0 = args.t0 if args.t0 is not None else time.time()
     writer = None
+    again = False  # (a syncer restarted on its run directory)
     if out is not None:  # a run directory of our own (a restart appends to it)
         from ddiloco.report.run_writer import RunWriter
         from ddiloco.runtime.resume import end_line, last_time
@@ -148,8 +149,8 @@ def run(args: argparse.Namespace) -> int:
         from ddiloco.commands.train import models, render
         from ddiloco.report.run_writer import finish
 
-        finish(out, [summary])
-        print(f"\n{render([summary])}\n\nrun directory: {out}\n{models([summary], out)}")
+        kept = finish(out, [summary], resumed=again)  # (a restart never takes it back)
+        print(f"\n{render(kept)}\n\nrun directory: {out}\n{models(kept, out)}")
     return 0
 
 

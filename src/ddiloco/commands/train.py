@@ -141,12 +141,17 @@ def render(summaries: list[dict[str, Any]]) -> str:
             ]
         )
     clock = "wall s" if all(s.get("clock") == "wall" for s in summaries) else "virtual s"
-    horizon = summaries[0].get("equal_time_seconds", summaries[0]["virtual_seconds"])
+    horizons = {float(s.get("equal_time_seconds", s["virtual_seconds"])) for s in summaries}
+    horizon = min(horizons)  # one run's: the time its first method finished
+    first = next((s for s in summaries if s["virtual_seconds"] == horizon), summaries[0])
+    at, when = f"at {horizon:.0f} {clock}", f"when {first['method']} finished"
+    if len(horizons) > 1:  # (ddiloco compare of runs that took different times)
+        at, when = "at equal time", "each run's, when its first method finished"
     text = table(
         [
             "method",
             "eval loss",
-            f"at {horizon:.0f} {clock}",
+            at,
             "bits/byte",
             "tokens",
             "merged",
@@ -158,10 +163,7 @@ def render(summaries: list[dict[str, Any]]) -> str:
         ],
         rows,
     )
-    text += (
-        f"\n(eval loss: at equal tokens; at {horizon:.0f} {clock}: when {summaries[0]['method']}"
-        " finished, between evaluations)"
-    )
+    text += f"\n(eval loss: at equal tokens; {at}: {when}, between evaluations)"
     for s in summaries:
         if s.get("resumed_from"):
             text += f"\n{s['method']} {resumed_line(s['resumed_from'])}"

@@ -229,8 +229,13 @@ class Progress:
 
     def _on_joined(self, r: dict[str, Any]) -> None:
         """The syncer let a learner in (all a hand-started syncer hears of its learners):
-        up, whatever it was before (a restart that was DOWN, a slot that was joining)."""
-        self.learners[r["learner"]] = "up"
+        up, whatever it was before (a restart that was DOWN, a slot that was joining). One
+        that was DOWN is said (under ``ddiloco train`` its restart went through ``copying``
+        and said ``recovered``)."""
+        m = r["learner"]
+        if self.learners.get(m) == "DOWN":
+            self.say(f"learner {m} joined again at step {int(r.get('step', 0)):,}")
+        self.learners[m] = "up"
 
     def _on_operator(self, r: dict[str, Any]) -> None:
         self.say(f"operator at {r['client']}: {r['action']} learner {r['learner']} (status page)")

@@ -158,6 +158,9 @@ def carry_bytes(summary: dict[str, Any], before: dict[str, Any] | None) -> None:
     for key in ("bytes_sent", "bytes_received"):
         if before and isinstance(before.get(key), int) and isinstance(summary.get(key), int):
             summary[key] += before[key]
+    if "bytes_per_token" in summary:  # (over the run's tokens, every launch's)
+        moved = summary.get("bytes_sent", 0) + summary.get("bytes_received", 0)
+        summary["bytes_per_token"] = moved / max(int(summary.get("tokens", 0)), 1)
 
 
 def last_time(run: Path, method: str | None = None) -> float:
