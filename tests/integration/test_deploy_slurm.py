@@ -153,7 +153,7 @@ def deploy(tmp_path: Path, *extra: str, sets: tuple[str, ...] = ()) -> Path:
     config = tmp_path / "run.toml"
     config.write_text('name = "slurmtest"\n')
     out = tmp_path / "job"
-    syncer_port, peer_port = free_ports(1)[0], free_ports(2)[0]
+    syncer_port, peer_port, _ = free_ports(3)  # (two draws may give one port twice)
     argv = ["deploy", "slurm", "--config", str(config), "--out", str(out)]
     argv += ["--port", str(syncer_port), "--peer-port", str(peer_port), "--syncer-cpus", "1"]
     argv += ["--env-setup", f"export PATH={Path(sys.executable).parent}:$PATH", *extra]
