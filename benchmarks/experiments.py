@@ -6,6 +6,8 @@
     python benchmarks/experiments.py apply [--seeds 0 1] [--tokens 500000]
     python benchmarks/experiments.py scaling [--seeds 0 1] [--tokens 250000 500000 1000000]
         [--models gpt-1m gpt-4m gpt-12m]
+    python benchmarks/experiments.py ladder | lr-sweep | outer | staleness | learners |
+        compression [--tokens 20] [--seeds 0 1]    (benchmarks/quality.py: tokens per parameter)
 
 Every run is an ordinary ``ddiloco train`` run (its directory lands under --out), so any row
 can be inspected, plotted or re-run. Runs are sequential: two torch processes on a 2-core
@@ -18,6 +20,7 @@ import argparse
 import itertools
 import json
 import math
+import re
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -26,6 +29,7 @@ from typing import Any
 
 from ddiloco import train
 from ddiloco.config import load_config
+from quality import LADDER_MODELS, QUALITY
 
 Run = tuple[str, list[str]]  # (label, --set overrides)
 CRASHES = (
@@ -252,21 +256,30 @@ def scaling(tokens: int) -> list[Run]:
 
 
 def gap_table(rows: dict[tuple[int, str, str], list[dict[str, Any]]]) -> str:
-    """Per (tokens, model): Decoupled's eval loss minus data-parallel's, seed by seed."""
+    """Per run with data-parallel in it: each other method's eval loss minus data-parallel's,
+    seed by seed, at equal tokens and at equal time (the first method's finishing time)."""
     lines = [
-        "| model | tokens | decoupled | data-parallel | gap (per seed) | gap / DP loss |",
-        "|---|---|---|---|---|---|",
+        "| run | method | eval loss | data-parallel | gap (per seed) | gap / DP loss "
+        "| gap at equal time / DP loss |",
+        "|---|---|---|---|---|---|---|",
     ]
-    for (n, label, method), decoupled in rows.items():
+    for (n, label, method), ours in rows.items():
         dp = rows.get((n, label, "data_parallel"))
-        if method != "decoupled" or not dp:
+        if method == "data_parallel" or not dp or len(dp) != len(ours):
             continue
-        gaps = [a["eval_loss"] - b["eval_loss"] for a, b in zip(decoupled, dp, strict=True)]
-        ours = statistics.mean(s["eval_loss"] for s in decoupled)
+        gaps = [a["eval_loss"] - b["eval_loss"] for a, b in zip(ours, dp, strict=True)]
         theirs = statistics.mean(s["eval_loss"] for s in dp)
+        timed = [
+            (a["eval_loss_equal_time"] - b["eval_loss_equal_time"]) / b["eval_loss_equal_time"]
+            for a, b in zip(ours, dp, strict=True)
+            if a.get("eval_loss_equal_time") is not None
+            and b.get("eval_loss_equal_time") is not None
+        ]
+        at_time = f"{statistics.mean(timed):+.1%}" if timed else "-"
         lines.append(
-            f"| {label} | {n:,} | {ours:.4f} | {theirs:.4f} | "
-            f"{' / '.join(f'{g:+.4f}' for g in gaps)} | {statistics.mean(gaps) / theirs:+.1%} |"
+            f"| {label} | {method} | {statistics.mean(s['eval_loss'] for s in ours):.4f} | "
+            f"{theirs:.4f} | {' / '.join(f'{g:+.4f}' for g in gaps)} | "
+            f"{statistics.mean(gaps) / theirs:+.1%} | {at_time} |"
         )
     return "\n".join(lines)
 
@@ -281,7 +294,9 @@ EXPERIMENTS: dict[str, Callable[[int], list[Run]]] = {
     "codecs": codecs,
     "fragmentation": fragmentation,
     "scavenging": scavenging,
+    **QUALITY,
 }
+PER_PARAM = set(QUALITY)  # experiments whose --tokens is tokens per parameter
 
 
 # experiments whose table adds the virtual time to reach a target eval loss
@@ -303,6 +318,12 @@ def time_to(curve: list[tuple[float, float]], target: float) -> float:
     return math.inf
 
 
+def slug(label: str) -> str:
+    """A run label as a directory name: "H=12, nesterov (0.5, 0.9)" -> "H=12_nesterov_0.5_0.9"."""
+    words = re.sub(r"[^A-Za-z0-9.=+-]+", " ", label.replace(",", "")).split()
+    return "_".join(words)
+
+
 def run_all(
     name: str, tokens: Sequence[int], seeds: Sequence[int], out: Path, reuse: bool = False
 ) -> str:
@@ -311,7 +332,7 @@ def run_all(
         for label, overrides in EXPERIMENTS[name](n):
             for seed in seeds:
                 config = load_config(None, [*overrides, f"seed={seed}"])
-                directory = out / name / f"{n}-{label.replace(' ', '_').replace(',', '')}-s{seed}"
+                directory = out / name / f"{n}-{slug(label)}-s{seed}"
                 started = time.monotonic()
                 if reuse and (directory / "summary.json").exists():
                     summary = json.loads((directory / "summary.json").read_text(encoding="utf-8"))
@@ -327,9 +348,10 @@ def run_all(
                     flush=True,
                 )
     lines = [
-        "| tokens | run | method | eval loss (mean ± spread) | goodput | token efficiency "
-        "| virtual s | peak B/step |",
-        "|---|---|---|---|---|---|---|---|",
+        f"| {'tokens/param' if name in PER_PARAM else 'tokens'} | run | method "
+        "| eval loss (mean ± spread) | at equal time | tokens trained | goodput "
+        "| token efficiency | virtual s | peak B/step |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     if name in TARGETED:
         # the target is the worst final loss of the seed's runs: a loss every run reaches
@@ -346,8 +368,11 @@ def run_all(
         losses = [s["eval_loss"] for s in summaries]
         spread = (max(losses) - min(losses)) / 2 if len(losses) > 1 else 0.0
         peak = summaries[0].get("plan", {}).get("peak_bytes_per_step", "")
+        timed = [s["eval_loss_equal_time"] for s in summaries if s.get("eval_loss_equal_time")]
+        at_time = f"{statistics.mean(timed):.4f}" if timed else "-"
         lines.append(
             f"| {n:,} | {label} | {method} | {statistics.mean(losses):.4f} ± {spread:.4f} | "
+            f"{at_time} | {statistics.mean(s['tokens'] for s in summaries):,.0f} | "
             f"{statistics.mean(s['goodput'] for s in summaries):.1%} | "
             f"{statistics.mean(s['token_efficiency'] for s in summaries):.3f} | "
             f"{statistics.mean(s['virtual_seconds'] for s in summaries):.0f} | {peak} |"
@@ -357,7 +382,7 @@ def run_all(
     if name in TARGETED:
         per_seed = [f"{n:,}/s{seed}: {loss:.4f}" for (n, seed), loss in sorted(target.items())]
         lines.append("\ntarget loss per (tokens, seed): " + ", ".join(per_seed))
-    if name == "scaling":
+    if any(method == "data_parallel" for _, _, method in rows) and len(rows) > 1:
         lines.append("\n" + gap_table(rows))
     if name == "failure-sweep":
         for n in tokens:
@@ -375,14 +400,23 @@ def run_all(
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("experiment", choices=sorted(EXPERIMENTS))
-    ap.add_argument("--tokens", type=int, nargs="+", default=[1_000_000])
+    ap.add_argument(
+        "--tokens",
+        type=int,
+        nargs="+",
+        help="the run lengths (default 1M); tokens per parameter for the quality experiments "
+        "(default 20)",
+    )
     ap.add_argument("--seeds", type=int, nargs="+", default=[0])
     ap.add_argument("--out", default="runs/experiments")
     ap.add_argument("--reuse", action="store_true", help="tabulate runs already under --out")
-    ap.add_argument("--models", nargs="+", help="scaling: the models (default: all three)")
+    ap.add_argument("--models", nargs="+", help="scaling, ladder: the models (default: all)")
     args = ap.parse_args()
     if args.models:
         SCALING_MODELS[:] = args.models
+        LADDER_MODELS[:] = args.models
+    if args.tokens is None:
+        args.tokens = [20] if args.experiment in PER_PARAM else [1_000_000]
     print(f"experiment {args.experiment}: tokens {args.tokens}, seeds {args.seeds}")
     print(run_all(args.experiment, args.tokens, args.seeds, Path(args.out), args.reuse))
 

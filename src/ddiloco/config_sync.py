@@ -36,13 +36,17 @@ class RoundsConfig:
     grace: bool = True
     grace_gamma: float = 0.5
     grace_cap_steps: float = 1.0
+    stale_weight: float = 0.0  # lambda: a late answer weighs 1 / (1 + lambda x staleness)
+    anchor: str = "base"  # "current": a late delta re-taken against the current value
 
     def __post_init__(self) -> None:
         self.core()
 
     def core(self) -> RoundConfig:
         grace = GraceConfig(self.grace, self.grace_gamma, self.grace_cap_steps)
-        return RoundConfig(self.quorum, self.max_staleness, self.overlap, grace)
+        return RoundConfig(
+            self.quorum, self.max_staleness, self.overlap, grace, self.stale_weight, self.anchor
+        )
 
 
 @dataclass(frozen=True)

@@ -31,8 +31,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--model",
-        help="a built-in GPT config (gpt-tiny, gpt-1m, gpt-4m, gpt-12m, gpt-50m), hf:PATH "
-        "(a local Hugging Face model directory) or module:function returning a "
+        help="a built-in GPT config (gpt-tiny, gpt-300k, gpt-1m, gpt-4m, gpt-12m, gpt-50m), "
+        "hf:PATH (a local Hugging Face model directory) or module:function returning a "
         "torch.nn.Module (default: the config's model)",
     )
     parser.add_argument("--fragments", "-P", type=int, help="P (default: the config's)")

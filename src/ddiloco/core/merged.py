@@ -29,6 +29,8 @@ class MergeResult:
     schedule_scale: float = 1.0  # the inner learning-rate factor of the outer step
     fraction: float = 1.0  # the share of a sync period the outer step covers
     credits: tuple[tuple[Any, float], ...] = ()  # (answer key, weight) for the ledger
+    # per answer: re-taken against the current value (core/stale.py); empty: the option is off
+    anchored: tuple[bool, ...] = ()
 
     def book(self, ledger: SyncerLedger | None) -> None:
         """Count this merge's answers as merged in ``ledger``. The caller books a merge

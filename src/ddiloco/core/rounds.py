@@ -15,12 +15,15 @@ global model instead of being thrown away. No round opens after it.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
 from ddiloco.core.grace import Ema, GraceConfig, grace_window
 from ddiloco.errors import ConfigError, require
+
+ANCHORS = ("base", "current")  # what a late answer's delta is taken against (core/stale.py)
 
 
 @dataclass(frozen=True)
@@ -31,11 +34,20 @@ class RoundConfig:
     max_staleness: int = 1  # accepted: current version - base version <= this
     overlap: int = 2  # tau: steps a learner keeps computing while a fragment is in flight
     grace: GraceConfig = field(default_factory=GraceConfig)
+    stale_weight: float = 0.0  # lambda: a late answer weighs 1 / (1 + lambda s) (core/stale.py)
+    anchor: str = "base"  # a late delta against its own base, or "current" (core/stale.py)
 
     def __post_init__(self) -> None:
         require(self.quorum >= 1, "quorum", self.quorum, "K must be >= 1")
         require(self.max_staleness >= 0, "max_staleness", self.max_staleness, "must be >= 0")
         require(self.overlap >= 0, "overlap", self.overlap, "tau must be >= 0")
+        require(
+            self.stale_weight >= 0.0 and math.isfinite(self.stale_weight),
+            "stale_weight",
+            self.stale_weight,
+            "must be finite and >= 0",
+        )
+        require(self.anchor in ANCHORS, "anchor", self.anchor, f"known: {', '.join(ANCHORS)}")
 
 
 # round_id of an answer a learner pushes on its own schedule (lock-step baselines): it is

@@ -21,7 +21,7 @@ import torch
 from ddiloco.core.fragment_state import FragmentState, Key
 from ddiloco.core.fragments import gather
 from ddiloco.core.ledger import OUTLIER, SyncerLedger
-from ddiloco.core.merge import MERGE_RULES, merge, tensor_norms, token_weight
+from ddiloco.core.merge import MERGE_RULES, merge, tensor_norms
 from ddiloco.core.merged import MergeResult
 from ddiloco.core.outer import OuterConfig, OuterOptimizer, make_outer_optimizer
 from ddiloco.core.plans import FragmentPlan
@@ -45,6 +45,7 @@ from ddiloco.core.rounds import (
     Supersession,
     Verdict,
 )
+from ddiloco.core.stale import UpdateHistory, anchor_answers, answer_weights
 from ddiloco.errors import ConfigError, require
 
 __all__ = ["MergeResult", "SyncerConfig", "SyncerState", "merge_step"]
@@ -204,6 +205,12 @@ class SyncerState:
         # per fragment: the global step its last merged round opened at (None: none yet, or
         # not since a restart: the next outer step is a whole one)
         self._merged_opened: list[int | None] = [None] * plan.num_fragments
+        # the last updates of each fragment, to anchor late answers on the current value
+        self._history = (
+            UpdateHistory(plan.num_fragments, config.rounds.max_staleness)
+            if config.rounds.anchor == "current"
+            else None
+        )
 
     @property
     def versions(self) -> list[int]:
@@ -386,10 +393,19 @@ class SyncerState:
     @torch.no_grad()
     def _merge(self, closed: ClosedRound) -> MergeResult:
         p = closed.fragment
-        weights = [token_weight(a.c_tokens, a.c_steps) for a in closed.answers]
+        rounds = self.config.rounds
+        stale = [closed.version - a.base_version for a in closed.answers]
+        counters = [(a.c_tokens, a.c_steps) for a in closed.answers]
+        weights = answer_weights(counters, stale, rounds.stale_weight)
         held = [self.held.pop(a.key) for a in closed.answers]
         deltas = [h.delta for h in held]
         norms = [h.norms for h in held]
+        anchored: list[bool] = []
+        if self._history is not None:
+            bases = [a.base_version for a in closed.answers]
+            anchored = anchor_answers(self._history, p, closed.version, bases, deltas, norms)
+            for _ in range(sum(anchored)):
+                self._count("anchored")
         scales = [1.0] * len(deltas)
         if self.config.robust.enabled:
             scales = self._clip(p, closed, weights, deltas, norms, [h.pace for h in held])
@@ -403,6 +419,7 @@ class SyncerState:
             if closed.final
             else period_fraction(closed.opened_step, self._merged_opened[p], self.plan.sync_every)
         )
+        before = self._history.before(self.fragments[p]) if self._history else None
         update_norm = merge_step(
             self.fragments[p],
             self.outer[p],
@@ -416,6 +433,8 @@ class SyncerState:
             fraction,
         )
         version = self._policy.on_merged(closed)
+        if self._history is not None:
+            self._history.after(p, version, before, self.fragments[p])
         self._merged_opened[p] = closed.opened_step
         self._count("merged_rounds")
         if self.config.robust.enabled:
@@ -431,6 +450,7 @@ class SyncerState:
             factor,
             fraction,
             tuple((a.key, w) for a, w in zip(closed.answers, weights, strict=True)),
+            tuple(anchored),
         )
 
     def _clip(
@@ -490,6 +510,8 @@ class SyncerState:
         )
         for dst, src in zip(self.fragments[p], state.values, strict=True):
             dst.copy_(src)
+        if self._history is not None:
+            self._history.forget(p)
         self.param_norms[p] = answer_norm(tensor_norms(self.fragments[p]))
         self.norm_windows[p].load(state.norm_window)
         self.outer[p].load_state_dict(dict(state.outer))

@@ -57,6 +57,7 @@ class GPTConfig:
 
 GPT_CONFIGS: dict[str, GPTConfig] = {
     "gpt-tiny": GPTConfig(n_layer=2, n_head=2, n_embd=64, block_size=64),  # ~0.1M
+    "gpt-300k": GPTConfig(n_layer=3, n_head=3, n_embd=84, block_size=128),  # ~0.3M
     "gpt-1m": GPTConfig(n_layer=4, n_head=4, n_embd=128, block_size=128),  # ~0.9M
     "gpt-4m": GPTConfig(n_layer=6, n_head=6, n_embd=240, block_size=256),  # ~4.3M
     "gpt-12m": GPTConfig(n_layer=8, n_head=8, n_embd=352, block_size=256),  # ~12M

@@ -27,9 +27,10 @@ from ddiloco.config import RunConfig
 from ddiloco.core.codec import decode_tensors
 from ddiloco.core.fragment_state import Key
 from ddiloco.core.fragments import gather
-from ddiloco.core.merge import tensor_norms, token_weight
+from ddiloco.core.merge import tensor_norms
 from ddiloco.core.outer import make_outer_optimizer
 from ddiloco.core.robust import scaled
+from ddiloco.core.stale import UpdateHistory, anchor_answers, answer_weights
 from ddiloco.core.syncer_state import MergeResult, SyncerConfig, merge_step
 from ddiloco.runtime.processes.syncer.store_format import CRC, HEAD, StoreError
 from ddiloco.runtime.run import RunSetup
@@ -208,6 +209,7 @@ def journal_header(result: MergeResult) -> dict[str, Any]:
         "scales": list(result.scales),  # robust merging's clip factor of each answer
         "schedule_scale": result.schedule_scale,  # the outer step's inner-lr factor
         "fraction": result.fraction,  # ... and the share of a sync period it covers
+        "anchored": list(result.anchored),  # late answers re-taken against the current value
     }
 
 
@@ -226,6 +228,9 @@ def replay_journal(
     workspace = torch.empty(max(sum(t.numel() for t in f) for f in fragments))
     merged: Counter[Key] = Counter()
     versions = [0] * len(fragments)
+    rounds = config.rounds
+    depth = rounds.max_staleness if rounds.anchor == "current" else 0
+    history = UpdateHistory(len(fragments), depth)  # (depth 0: keeps nothing)
     for header, payloads in store.journal():
         p = header["fragment"]
         if header["version"] != versions[p] + 1:
@@ -233,12 +238,19 @@ def replay_journal(
         versions[p] = header["version"]
         answers = header["answers"]  # learner, incarnation, seq, base, c_steps, c_tokens
         merged.update((a[0], a[1], a[2]) for a in answers)
-        weights = [token_weight(a[5], a[4]) for a in answers]
+        stale = [header["version"] - 1 - a[3] for a in answers]
+        weights = answer_weights([(a[5], a[4]) for a in answers], stale, rounds.stale_weight)
         deltas = [decode_tensors(payload) for payload in payloads]
+        norms = [tensor_norms(d) for d in deltas]
+        marked = header.get("anchored", [])
+        if marked:  # re-taken against the current value, as the syncer did
+            bases = [a[3] for a in answers]
+            anchor_answers(history, p, versions[p] - 1, bases, deltas, norms, marked)
         for i, s in enumerate(header.get("scales", [])):  # answers the merge clipped
             if s < 1.0:
                 deltas[i] = scaled(deltas[i], s)
-        norms = [tensor_norms(d) for d in deltas]
+                norms[i] = tensor_norms(deltas[i])
+        before = history.before(fragments[p])
         merge_step(
             fragments[p],
             outers[p],
@@ -251,6 +263,7 @@ def replay_journal(
             float(header.get("schedule_scale", 1.0)),
             float(header.get("fraction", 1.0)),
         )
+        history.after(p, versions[p], before, fragments[p])
     return fragments, merged
 
 

@@ -1,0 +1,154 @@
+"""Quality where the paper measures it (issue 32): runs at a compute-optimal budget.
+
+Each function here is one experiment of ``benchmarks/experiments.py`` whose ``--tokens`` is
+**tokens per parameter** (default 20, the Chinchilla budget): every run trains
+``tokens x parameters`` tokens of its model. They are registered in
+``experiments.EXPERIMENTS`` and run, tabulate and re-tabulate (``--reuse``) like the others.
+
+    python benchmarks/experiments.py ladder --tokens 20 --seeds 0 1 [--models gpt-tiny gpt-300k]
+    python benchmarks/experiments.py lr-sweep --tokens 20 --seeds 0 1
+    python benchmarks/experiments.py outer --tokens 20 --seeds 0 1
+    python benchmarks/experiments.py staleness --tokens 20 --seeds 0 1
+    python benchmarks/experiments.py learners --tokens 20 --seeds 0 1
+    python benchmarks/experiments.py compression --tokens 20 --seeds 0 1
+
+What each table compares is said in its function's docstring; docs/results.md §12 holds the
+tables and the decisions they led to.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from ddiloco.models.registry import build_model
+
+Run = tuple[str, list[str]]  # (label, --set overrides)
+
+LADDER_MODELS = ["gpt-tiny", "gpt-300k", "gpt-1m"]  # (--models replaces them)
+KNOB_MODEL = "gpt-tiny"  # the model the knob experiments run at (minutes a run here)
+EVALS = 8  # evaluations over a run: the equal-time loss is read between two of them
+
+# the demo's failures (the embedded default's chaos): learner 1 crashes at t = 60 s for 40 s
+# and recovers from a peer; learner 3 runs 1.3x slower from t = 20 s to the end
+DEMO_FAILURES = (
+    "chaos=[{at=60.0, kind='crash', learner=1, duration=40.0},"
+    " {at=20.0, kind='slow', learner=3, duration=0.0, factor=1.3}]"
+)
+ALL_METHODS = "methods=['decoupled', 'streaming', 'diloco', 'data_parallel']"
+
+# late answers are common here: half the learners 1.5x slower, a link 2.5 s each way
+HETEROGENEOUS = ("hardware.speed=[1, 1, 1.5, 1.5]", "network.latency_seconds=2.5")
+
+
+@functools.cache
+def parameters(model: str) -> int:
+    return sum(p.numel() for p in build_model(model).parameters())
+
+
+def at_budget(model: str, per_param: int) -> list[str]:
+    """``model`` trained for ``per_param`` tokens per parameter, evaluated EVALS times."""
+    tokens = per_param * parameters(model)
+    return [f"model='{model}'", f"train.tokens={tokens}", f"train.eval_every={tokens // EVALS}"]
+
+
+def ladder(per_param: int) -> list[Run]:
+    """Every method at the budget, per model: one run without failures (Decoupled, Streaming,
+    DiLoCo and data-parallel side by side: equal time is read across them) and one with the
+    demo's crash and straggler (Decoupled and data-parallel, both under them). Data-parallel's
+    global batch is M = 4 learners' (4 x 8 sequences); every method at the shipped inner lr."""
+    runs = []
+    for model in LADDER_MODELS:
+        base = at_budget(model, per_param)
+        runs.append((f"{model}, no failures", [*base, ALL_METHODS, "chaos=[]"]))
+        runs.append(
+            (
+                f"{model}, demo failures",
+                [*base, "methods=['decoupled', 'data_parallel']", DEMO_FAILURES],
+            )
+        )
+    return runs
+
+
+def lr_sweep(per_param: int) -> list[Run]:
+    """Each method at its own best inner learning rate: a 3-point sweep (half, the shipped
+    3e-3, double) at KNOB_MODEL, no failures, every method in each run."""
+    base = at_budget(KNOB_MODEL, per_param)
+    return [
+        (f"inner lr {lr}", [*base, ALL_METHODS, "chaos=[]", f"train.lr={lr}"])
+        for lr in (0.0015, 0.003, 0.006)
+    ]
+
+
+OUTER_STEPS = {  # label -> the outer optimizer's settings
+    "as-is (1, 0)": ("nesterov", 1.0, 0.0, 1),
+    "nesterov (0.5, 0.9)": ("nesterov", 0.5, 0.9, 1),
+    "nesterov (0.7, 0.9)": ("nesterov", 0.7, 0.9, 1),
+    "delayed nesterov (0.7, 0.9, d=4)": ("delayed_nesterov", 0.7, 0.9, 4),
+}
+
+
+def outer(per_param: int) -> list[Run]:
+    """Decoupled's outer step at the budget: as-is, Nesterov at two rates, delayed Nesterov,
+    at H = 12, 24, 48 (P = H), no failures; plus data-parallel once for reference."""
+    base = at_budget(KNOB_MODEL, per_param)
+    runs: list[Run] = [("data-parallel", [*base, "methods=['data_parallel']", "chaos=[]"])]
+    for h in (12, 24, 48):
+        for label, (name, lr, momentum, delay) in OUTER_STEPS.items():
+            sets = [
+                *base,
+                "methods=['decoupled']",
+                "chaos=[]",
+                f"sync.fragments={h}",
+                f"sync.sync_every={h}",
+                f"sync.outer.optimizer='{name}'",
+                f"sync.outer.lr={lr}",
+                f"sync.outer.momentum={momentum}",
+                f"sync.outer.delay={delay}",
+            ]
+            runs.append((f"H={h}, {label}", sets))
+    return runs
+
+
+def staleness(per_param: int) -> list[Run]:
+    """Late answers (half the learners 1.5x slower, a far link): today's rule (a late delta
+    against its own base, dropped past max_staleness 1), staleness-aware weights, anchoring on
+    the current global value, and a larger max_staleness with the weights."""
+    base = [*at_budget(KNOB_MODEL, per_param), "methods=['decoupled']", "chaos=[]", *HETEROGENEOUS]
+    variants = {
+        "today (own base, s<=1)": [],
+        "weights 1/(1+s)": ["sync.rounds.stale_weight=1.0"],
+        "anchored on current": ["sync.rounds.anchor='current'"],
+        "weights 1/(1+s), s<=4": ["sync.rounds.stale_weight=1.0", "sync.rounds.max_staleness=4"],
+    }
+    runs: list[Run] = [("data-parallel, same hardware", [*base, "methods=['data_parallel']"])]
+    runs.extend((label, [*base, *sets]) for label, sets in variants.items())
+    return runs
+
+
+def learners(per_param: int) -> list[Run]:
+    """M = 2, 4, 8, 16 at a fixed global batch (32 sequences), no failures; at M = 8 and 16
+    RDA against the weighted mean."""
+    base = [*at_budget(KNOB_MODEL, per_param), "methods=['decoupled']", "chaos=[]"]
+    runs = []
+    for m in (2, 4, 8, 16):
+        shape = [f"train.learners={m}", f"train.batch_size={32 // m}"]
+        runs.append((f"M={m}, rda", [*base, *shape]))
+        if m >= 8:
+            runs.append((f"M={m}, mean", [*base, *shape, "sync.merge_rule='mean'"]))
+    return runs
+
+
+def compression(per_param: int) -> list[Run]:
+    """The answers' wire format at the budget: bf16, int4, int2, no failures."""
+    base = [*at_budget(KNOB_MODEL, per_param), "methods=['decoupled']", "chaos=[]"]
+    return [(c, [*base, f"sync.codec.answers='{c}'"]) for c in ("bf16", "int4", "int2")]
+
+
+QUALITY = {
+    "ladder": ladder,
+    "lr-sweep": lr_sweep,
+    "outer": outer,
+    "staleness": staleness,
+    "learners": learners,
+    "compression": compression,
+}
