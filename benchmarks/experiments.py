@@ -29,7 +29,7 @@ from typing import Any
 
 from ddiloco import train
 from ddiloco.config import load_config
-from quality import LADDER_MODELS, QUALITY
+from quality import LADDER_MODELS, QUALITY, plot_ladder
 
 Run = tuple[str, list[str]]  # (label, --set overrides)
 CRASHES = (
@@ -301,6 +301,10 @@ PER_PARAM = set(QUALITY)  # experiments whose --tokens is tokens per parameter
 
 # experiments whose table adds the virtual time to reach a target eval loss
 TARGETED = {"scavenging"}
+# experiments whose table adds the counts of late answers: held for the next round, dropped
+# as stale, anchored on the current value
+LATE = {"staleness", "apply"}
+LATE_COUNTS = ("accepted", "waiting", "stale", "anchored")
 
 
 def eval_curve(directory: Path, method: str) -> list[tuple[float, float]]:
@@ -379,11 +383,20 @@ def run_all(
         )
         if name in TARGETED:
             lines[-1] += " " + " / ".join(f"{s['to_target']:.0f}" for s in summaries) + " |"
+        if name in LATE:  # how many answers came late, and what became of them (seed 0)
+            answers = summaries[0].get("answers", {})
+            lines[-1] += " " + ", ".join(f"{k} {answers[k]}" for k in LATE_COUNTS if k in answers)
+            lines[-1] += " |"
+    if name in LATE:
+        lines[0] += " late answers (seed 0) |"
+        lines[1] += "---|"
     if name in TARGETED:
         per_seed = [f"{n:,}/s{seed}: {loss:.4f}" for (n, seed), loss in sorted(target.items())]
         lines.append("\ntarget loss per (tokens, seed): " + ", ".join(per_seed))
     if any(method == "data_parallel" for _, _, method in rows) and len(rows) > 1:
         lines.append("\n" + gap_table(rows))
+    if name == "ladder":
+        lines.append(f"\nplot: {plot_ladder(out / name, out / name / 'gap.png')}")
     if name == "failure-sweep":
         for n in tokens:
             for seed in seeds:

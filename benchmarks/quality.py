@@ -11,6 +11,7 @@ Each function here is one experiment of ``benchmarks/experiments.py`` whose ``--
     python benchmarks/experiments.py staleness --tokens 20 --seeds 0 1
     python benchmarks/experiments.py learners --tokens 20 --seeds 0 1
     python benchmarks/experiments.py compression --tokens 20 --seeds 0 1
+    python benchmarks/experiments.py gap --tokens 20 --seeds 0 1
 
 What each table compares is said in its function's docstring; docs/results.md §12 holds the
 tables and the decisions they led to.
@@ -19,6 +20,11 @@ tables and the decisions they led to.
 from __future__ import annotations
 
 import functools
+import itertools
+import json
+import math
+import statistics
+from pathlib import Path
 
 from ddiloco.models.registry import build_model
 
@@ -112,7 +118,9 @@ def outer(per_param: int) -> list[Run]:
 def staleness(per_param: int) -> list[Run]:
     """Late answers (half the learners 1.5x slower, a far link): today's rule (a late delta
     against its own base, dropped past max_staleness 1), staleness-aware weights, anchoring on
-    the current global value, and a larger max_staleness with the weights."""
+    the current value, and a larger max_staleness with the weights; with the adaptive grace
+    window (the default) and without it (K = 1 closes a round at its first answer: every
+    other answer of the round comes late and rides in the next one)."""
     base = [*at_budget(KNOB_MODEL, per_param), "methods=['decoupled']", "chaos=[]", *HETEROGENEOUS]
     variants = {
         "today (own base, s<=1)": [],
@@ -121,21 +129,39 @@ def staleness(per_param: int) -> list[Run]:
         "weights 1/(1+s), s<=4": ["sync.rounds.stale_weight=1.0", "sync.rounds.max_staleness=4"],
     }
     runs: list[Run] = [("data-parallel, same hardware", [*base, "methods=['data_parallel']"])]
-    runs.extend((label, [*base, *sets]) for label, sets in variants.items())
+    for grace in ("grace", "no grace"):
+        window = [f"sync.rounds.grace={'true' if grace == 'grace' else 'false'}"]
+        runs.extend(
+            (f"{grace}, {label}", [*base, *window, *sets]) for label, sets in variants.items()
+        )
     return runs
 
 
 def learners(per_param: int) -> list[Run]:
-    """M = 2, 4, 8, 16 at a fixed global batch (32 sequences), no failures; at M = 8 and 16
-    RDA against the weighted mean."""
+    """M = 1, 2, 4, 8, 16 at a fixed global batch (32 sequences), no failures; at M = 8 and 16
+    RDA against the weighted mean. M = 1 is data-parallel's batch through the syncer: what
+    the fragments, the overlap and the outer step cost without any averaging of learners."""
     base = [*at_budget(KNOB_MODEL, per_param), "methods=['decoupled']", "chaos=[]"]
     runs = []
-    for m in (2, 4, 8, 16):
+    for m in (1, 2, 4, 8, 16):
         shape = [f"train.learners={m}", f"train.batch_size={32 // m}"]
         runs.append((f"M={m}, rda", [*base, *shape]))
         if m >= 8:
             runs.append((f"M={m}, mean", [*base, *shape, "sync.merge_rule='mean'"]))
     return runs
+
+
+def gap(per_param: int) -> list[Run]:
+    """What the gap to data-parallel is made of, one knob at a time from the shipped
+    Decoupled (no failures): progress kept across a merge (apply = carry) instead of
+    overwritten, a shorter overlap (tau = 1), a sync period half as long (P = H = 6)."""
+    base = [*at_budget(KNOB_MODEL, per_param), "methods=['decoupled']", "chaos=[]"]
+    return [
+        ("shipped", base),
+        ("apply carry", [*base, "sync.apply='carry'"]),
+        ("tau=1", [*base, "sync.rounds.overlap=1"]),
+        ("P=H=6", [*base, "sync.fragments=6", "sync.sync_every=6"]),
+    ]
 
 
 def compression(per_param: int) -> list[Run]:
@@ -150,5 +176,71 @@ QUALITY = {
     "outer": outer,
     "staleness": staleness,
     "learners": learners,
+    "gap": gap,
     "compression": compression,
 }
+
+
+def _curve(directory: Path, method: str, key: str = "tokens") -> list[tuple[float, float]]:
+    with open(directory / "metrics.jsonl", encoding="utf-8") as f:
+        records = [json.loads(line) for line in f]
+    return [(r[key], r["loss"]) for r in records if r["kind"] == "eval" and r["method"] == method]
+
+
+def _at(curve: list[tuple[float, float]], x: float) -> float:
+    """The loss at ``x``, linear between two evaluations (None past the curve's end)."""
+    for (x0, y0), (x1, y1) in itertools.pairwise(curve):
+        if x0 <= x <= x1:
+            return y0 if x1 == x0 else y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    return math.nan
+
+
+def gap_curves(directory: Path, method: str = "decoupled") -> list[tuple[float, float, float]]:
+    """(tokens, gap at equal tokens, gap at equal time) of ``method`` to data-parallel in one
+    run directory, at each of the method's evaluations after the first."""
+    ours_t, theirs_t = _curve(directory, method, "t"), _curve(directory, "data_parallel", "t")
+    ours, theirs = _curve(directory, method), _curve(directory, "data_parallel")
+    out = []
+    for (n, loss), (t, _) in zip(ours[1:], ours_t[1:], strict=True):
+        dp_n, dp_t = _at(theirs, n), _at(theirs_t, t)
+        out.append((n, (loss - dp_n) / dp_n, (loss - dp_t) / dp_t))
+    return out
+
+
+def plot_ladder(root: Path, out: Path) -> Path:
+    """The gap to data-parallel (no failures) against tokens per parameter, one line per
+    model (mean over the seeds found), at equal tokens and at equal time."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_n, ax_t) = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
+    for model in sorted({*LADDER_MODELS, *_ladder_models(root)}, key=parameters):
+        runs = sorted(root.glob(f"*-{model}_no_failures-s*"))
+        curves = [gap_curves(d) for d in runs if (d / "summary.json").exists()]
+        if not curves:
+            continue
+        size = parameters(model)
+        points = list(zip(*curves, strict=False))  # evaluation by evaluation, over seeds
+        x = [statistics.mean(p[0] for p in at) / size for at in points]
+        label = f"{model} ({size / 1e6:.2f}M params, {len(curves)} seeds)"
+        ax_n.plot(x, [100 * statistics.mean(p[1] for p in at) for at in points], "o-", label=label)
+        ax_t.plot(x, [100 * statistics.mean(p[2] for p in at) for at in points], "o-", label=label)
+    for ax, what in ((ax_n, "equal tokens"), (ax_t, "equal time")):
+        ax.axhline(0.0, color="k", lw=0.8)
+        ax.axhline(1.0, color="k", lw=0.8, ls=":")
+        ax.set(xlabel="tokens per parameter", title=f"Decoupled vs data-parallel, {what}")
+        ax.set_xscale("log")
+    ax_n.set_ylabel("eval-loss gap to data-parallel (%)")
+    ax_n.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def _ladder_models(root: Path) -> set[str]:
+    """The models a ladder directory holds runs of (``20-gpt-tiny_no_failures-s0``)."""
+    runs = root.glob("*_no_failures-s*")
+    return {d.name.split("-", 1)[1].rsplit("_no_failures", 1)[0] for d in runs}

@@ -140,3 +140,26 @@ def test_a_killed_syncer_restarts_from_its_durable_record_with_no_merge_lost_or_
     # the dead syncer: every call made sense and every token is merged, wasted or pending
     assert summary["ledger_errors"] == 0 and summary["ledger_balanced"], summary
     assert store.ledger_state is not None and TokenLedger.from_state(store.ledger_state).balanced()
+
+
+def test_late_answers_anchored_by_a_real_syncer_replay_bit_for_bit_from_its_journal(tmp_path):
+    """Without grace, K = 1 closes a round at its first answer: the others come late and are
+    anchored on the current value (core/stale.py) and weighted down; the journal says which,
+    and the audit rebuilds every fragment from it exactly."""
+    late = [
+        "sync.rounds.grace=false",
+        "sync.rounds.anchor='current'",
+        "sync.rounds.stale_weight=1.0",
+        "sync.rounds.max_staleness=2",
+        "processes.journal=true",
+    ]
+    cfg = config("train.tokens=24000", *late)
+    (summary,) = train(cfg, tmp_path, quiet=True)
+    assert summary["answers"].get("anchored", 0) > 0, summary["answers"]
+    store = SyncerStore(tmp_path / "processes" / "syncer_state")
+    records_on_disk = store.load()
+    fragments, merged_keys = recompute(cfg, store)
+    assert max(merged_keys.values()) == 1
+    for p, rec in records_on_disk.items():
+        assert all(torch.equal(a, b) for a, b in zip(fragments[p], rec.values, strict=True))
+    assert summary["ledger_balanced"] and summary["ledger_errors"] == 0
