@@ -222,3 +222,29 @@ def test_a_rounds_answers_read_true_when_late_answers_ride_along():
     progress("decoupled", {**fresh, "t": 2.0})
     progress("decoupled", {"kind": "eval", "loss": 4.0, "tokens": 0, "t": 2.0})
     assert "rounds 2 (last 2/3 answered, grace 0.50s)" in out.getvalue().splitlines()[-1]
+
+
+def test_a_time_limit_that_ends_the_run_before_its_budget_sets_the_eta():
+    # seen: "ETA 55m" in a run whose 70 s limit (train.max_virtual_seconds) ended it in 70 s
+    out, clock = io.StringIO(), Clock()
+    methods = ["decoupled", "data_parallel"]
+    progress = Progress(
+        100_000, stream=out, every=5.0, clock=clock, methods=methods, limit_seconds=70.0
+    )
+    progress("decoupled", {"kind": "eval", "loss": 5.0, "tokens": 0, "t": 0.0})
+    for i in range(1, 11):  # 100 tokens a second: 1% of the budget, 1/7 of the limit
+        clock.now = float(i)
+        progress("decoupled", _step(0, i, 4.0, float(i)))
+    last = out.getvalue().splitlines()[-1]
+    # 10 of 70 s gone: the same again for each 1/7, two methods: 10 s x 13 left
+    assert "ETA 2m10s (2 methods)" in last, last
+    for i in range(11, 71):  # the limit ends decoupled at 7% of its tokens
+        clock.now = float(i)
+        progress("decoupled", _step(0, i, 4.0, float(i)))
+    clock.now = 75.0
+    progress("data_parallel", {"kind": "eval", "loss": 5.0, "tokens": 0, "t": 0.0})
+    progress("data_parallel", _step(0, 1, 4.0, 5.0))  # 5 s of data-parallel's 70
+    progress("data_parallel", {"kind": "eval", "loss": 4.0, "tokens": 100, "t": 5.0})
+    last = out.getvalue().splitlines()[-1]
+    # decoupled counted as done: 75 s for 1 + 1/14 of a method, 13/14 of one left
+    assert "data_parallel" in last and "ETA 1m05s" in last, last

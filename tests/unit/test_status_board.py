@@ -46,6 +46,9 @@ def test_the_pace_is_measured_over_the_last_30_seconds_and_gives_an_eta():
     board.publish(snapshot(51.0, 100_000))
     assert board.snapshot()["pace"]["eta_seconds"] == 0.0  # the budget is reached
     assert pace([(0.0, 0), (10.0, 20_000)], 100_000)["eta_seconds"] == 40.0
+    # a time limit that comes first is the ETA (seen: "ETA 55m" in a run a 70 s limit ended)
+    assert pace([(0.0, 0), (10.0, 20_000)], 100_000, 25.0)["eta_seconds"] == 15.0
+    assert pace([(0.0, 0), (10.0, 20_000)], 100_000, 80.0)["eta_seconds"] == 40.0
     assert pace([(0.0, 5), (4.5, 900)], 100_000)["tokens_per_second"] is None  # too soon
     assert pace([(0.0, 5), (10.0, 5)], 100_000)["eta_seconds"] is None  # no progress: no guess
     assert pace([], None) == {"tokens_per_second": None, "eta_seconds": None, "window_seconds": 30}
@@ -142,7 +145,7 @@ def test_the_page_says_what_it_plots_and_in_what_units():
         "eval loss (nats/token)",
         "time since the launch (",
         "tokens/s",
-        "ETA to the token budget",
+        "ETA to the end of the run (token budget or time limit)",
         "share of merge",
         "restarts",
         "the learners do not send it to the syncer",

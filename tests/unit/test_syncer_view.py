@@ -35,7 +35,7 @@ def test_a_view_is_a_copy_the_service_going_on_does_not_change(service):  # noqa
 def test_the_page_and_the_summary_read_only_the_view():
     view = SyncerView(
         run="r", t=12.3456, data_source="builtin:tinyshakespeare", tokens=4096, budget=8192,
-        global_step=8, versions=(3, 2),
+        time_limit=60.0, global_step=8, versions=(3, 2),
         learners=(LearnerView(0, "up", 8, 7, "127.0.0.1:5556", 0.25, {"fragment": 1.0}),
                   LearnerView(1, "down", None, None, "", None, None)),
         answers={"merged_rounds": 5, "stale": 1},
@@ -49,6 +49,7 @@ def test_the_page_and_the_summary_read_only_the_view():
     )  # fmt: skip
     page = snapshot_of(view)
     assert page["t"] == 12.346 and page["rounds"] == 5 and page["versions"] == [3, 2]
+    assert page["budget"] == 8192 and page["time_limit"] == 60.0
     assert [row["state"] for row in page["learners"]] == ["up", "down"]
     assert page["learners"][0]["incarnation"] == "7" and page["learners"][1]["incarnation"] == ""
     assert page["uptime"] == 0.9 and page["learner_uptime"] == 0.8  # (the page's "uptime")

@@ -70,12 +70,15 @@ class Progress:
         virtual: bool = False,
         resumed: bool = False,
         starts: Mapping[str, int] | None = None,
+        limit_seconds: float = 0.0,
     ) -> None:
         """``methods``: every method the run trains, in order (the ETA covers them all);
         ``virtual``: the records' ``t`` is the simulated clock; ``resumed``: this launch
         continues a run (its first resume, restore or resumed record says where each method
         stood); ``starts``: the tokens each method holds at this launch's start, where known
-        before it begins (a simulated resume's checkpoints)."""
+        before it begins (a simulated resume's checkpoints); ``limit_seconds``: where each
+        method's clock stops it whatever its tokens (``train.max_virtual_seconds``; 0: none),
+        so the ETA counts the share of that time gone when it is larger than the tokens'."""
         self.total = total_tokens
         self.stream = stream or sys.stdout  # (the one at the start, redirected or not)
         self.quiet = quiet
@@ -89,6 +92,7 @@ class Progress:
         self.methods = list(methods)
         self.virtual = virtual
         self.resumed = resumed
+        self.limit = limit_seconds
         self.bases: dict[str, int] = dict(starts or {})  # method -> tokens at this launch's start
         self.done: dict[str, int] = {}  # a method this launch trained to its end -> its tokens
         self.handlers: dict[str, Callable[[dict[str, Any]], None]] = {
@@ -133,7 +137,7 @@ class Progress:
         if method != self.method:
             self.close()  # (a method's last live line stays on screen)
             if self.method:
-                self.done[self.method] = self._done_now()
+                self.done[self.method] = self._done_counted()
             self.method = method
             self._reset()
         self.t = float(record.get("t", self.t))
@@ -306,13 +310,23 @@ class Progress:
         """Tokens the running method trained in this launch, up to the budget."""
         return max(0, min(self.tokens, self.total) - min(self.base, self.total))
 
+    def _done_counted(self) -> int:
+        """:meth:`_done_now`, or the tokens of the same share of what this launch had left
+        when a time limit's share gone is larger (a run the limit ends before its budget)."""
+        done = self._done_now()
+        if self.limit <= 0 or self.t_start is None or self.limit <= self.t_start:
+            return done
+        share = min(1.0, (self.t - self.t_start) / (self.limit - self.t_start))
+        left = max(0, self.total - min(self.base, self.total))
+        return max(done, int(share * left))
+
     def eta(self, now: float) -> str | None:
         """The wall-clock ETA of the run: wall time since this launch started, scaled by the
         work left over the work done, in tokens of every method this launch trains (None
         before any is done)."""
         methods = [*self.methods, *([self.method] if self.method not in self.methods else [])]
         left = {m: max(0, self.total - min(self.bases.get(m, 0), self.total)) for m in methods}
-        done = sum(self.done.values()) + self._done_now()
+        done = sum(self.done.values()) + self._done_counted()
         if done <= 0 or now <= self.started:
             return None
         remaining = max(0, sum(left.values()) - done)

@@ -60,6 +60,7 @@ class RunWriter:
             virtual=virtual,
             resumed=append,
             starts=starts,
+            limit_seconds=config.train.max_virtual_seconds,
         )
         self.method = ""
 

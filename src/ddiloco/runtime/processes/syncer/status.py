@@ -64,11 +64,15 @@ ACCEPTED = {
 }
 
 
-def pace(samples: Sequence[tuple[float, int]], budget: int | None) -> dict[str, float | None]:
+def pace(
+    samples: Sequence[tuple[float, int]], budget: int | None, limit: float | None = None
+) -> dict[str, float | None]:
     """Tokens a second between the first and the last of ``samples`` ((t, tokens), oldest
     first) and the seconds left to ``budget`` at that rate: None while the samples span under
     :data:`PACE_MIN_SECONDS` (a syncer just restarted hears at once what the learners trained
-    while it was down) or show no progress (an ETA would be a guess); 0 once it is reached."""
+    while it was down) or show no progress (an ETA would be a guess); 0 once it is reached.
+    A time ``limit`` on the samples' clock (``train.max_virtual_seconds``) that comes first
+    is the ETA."""
     rate: float | None = None
     if len(samples) >= 2 and samples[-1][0] - samples[0][0] >= PACE_MIN_SECONDS:
         (t0, k0), (t1, k1) = samples[0], samples[-1]
@@ -77,6 +81,8 @@ def pace(samples: Sequence[tuple[float, int]], budget: int | None) -> dict[str, 
     if budget and samples:
         left = max(0, budget - samples[-1][1])
         eta = 0.0 if left == 0 else (left / rate if rate else None)
+        if limit and eta is not None:
+            eta = min(eta, max(0.0, limit - samples[-1][0]))
     return {
         "tokens_per_second": None if rate is None else round(rate, 1),
         "eta_seconds": None if eta is None else round(eta, 1),
@@ -141,7 +147,7 @@ class StatusBoard:
                 "learners": learners,
                 "evals": list(self.evals),
                 "progress": list(self.progress),
-                "pace": pace(self._recent, snapshot.get("budget")),
+                "pace": pace(self._recent, snapshot.get("budget"), snapshot.get("time_limit")),
                 "http": http,
             }
             self._rendered = {}
@@ -210,6 +216,7 @@ def snapshot_of(view: SyncerView) -> dict[str, Any]:
         "t": round(view.t, 3),
         "tokens": view.tokens,
         "budget": view.budget,
+        "time_limit": view.time_limit,
         "global_step": view.global_step,
         "rounds": view.answers.get("merged_rounds", 0),
         "uptime": round(view.uptime, 4),

@@ -139,7 +139,7 @@ function render(s){const pace=s.pace||{},rate=pace.tokens_per_second,eta=pace.et
  const up=s.learners.filter(l=>l.state==='up').length,cards=[
   card(si(s.tokens),'tokens trained of '+si(s.budget)+' ('+pct(s.tokens,s.budget)+')'),
   card(rate!=null?si(rate):'-','tokens/s (last '+(pace.window_seconds||30)+' s)'),
-  card(done?'done':dur(eta),'ETA to the token budget'),
+  card(done?'done':dur(eta),'ETA to the end of the run (token budget or time limit)'),
   card(dur(s.t),'since the launch'),
   card(last?last[1].toFixed(3):'-',last?'eval loss at '+si(last[0])+' tokens':'eval loss'),
   card(up+' of '+s.learners.length,'learners up'),

@@ -45,6 +45,7 @@ class SyncerView:
     data_source: str
     tokens: int
     budget: int
+    time_limit: float  # train.max_virtual_seconds on this clock (0: none)
     global_step: int
     versions: tuple[int, ...]
     learners: tuple[LearnerView, ...]
@@ -142,6 +143,7 @@ def view_of(svc: Viewed, now: float) -> SyncerView:
         data_source=config.data.source,
         tokens=svc.tokens,
         budget=config.train.tokens,
+        time_limit=config.train.max_virtual_seconds,
         global_step=svc.syncer.global_step,
         versions=tuple(svc.syncer.versions),
         learners=learners,
