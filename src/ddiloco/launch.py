@@ -133,7 +133,7 @@ def train(
         restarts = sim_restarts(config, out) if resume and not processes else {}
         # ... real processes from their stores, except a method that reached the budget
         held = held_summaries(out) if resume and processes else {}
-        finished = finished_methods(out, config) if resume and processes else {}
+        finished = finished_methods(held, config) if held else {}
         if resume:
             end_line(out)
         starts = {m: r.tokens for m, r in restarts.items() if r is not None}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 from ddiloco.config import load_config
-from ddiloco.runtime.resume import carry_bytes, finished_methods, last_time
+from ddiloco.runtime.resume import carry_bytes, finished_methods, held_summaries, last_time
 
 
 def test_each_method_goes_on_from_its_own_last_record_and_a_new_one_from_zero(tmp_path):
@@ -30,12 +30,14 @@ def test_a_method_at_its_budget_is_not_run_again_and_bytes_add_up(tmp_path, caps
     stopped = {"method": "data_parallel", "tokens": 1536, "stop_signal": "SIGINT"}
     held = {**done, "methods": {"decoupled": done, "data_parallel": stopped}}
     (tmp_path / "summary.json").write_text(json.dumps(held))
-    assert finished_methods(tmp_path, config) == {"decoupled": done}  # (stopped: resumed)
+    assert finished_methods(held_summaries(tmp_path), config) == {"decoupled": done}
     assert "decoupled: finished (1,024 tokens of 1,000): not run again" in capsys.readouterr().out
     raised = load_config(None, ["methods=['decoupled']", "train.tokens=2000"])
-    assert finished_methods(tmp_path, raised) == {}  # a raised budget trains on
+    assert finished_methods(held_summaries(tmp_path), raised) == {}  # a raised budget trains on
     (tmp_path / "summary.json").write_text("{not json")
-    assert finished_methods(tmp_path, config) == {}  # unreadable: every method resumes
+    assert held_summaries(tmp_path) == {}  # unreadable: every method resumes
+    (tmp_path / "summary.json").unlink()
+    assert held_summaries(tmp_path) == {}
     summary = {"bytes_sent": 7, "bytes_received": 3, "tokens": 3, "bytes_per_token": 10 / 3}
     carry_bytes(summary, done)  # (done received none before)
     assert summary == {"bytes_sent": 12, "bytes_received": 3, "tokens": 3, "bytes_per_token": 5}

@@ -32,6 +32,20 @@ def write_json(path: Path, data: Any) -> None:
     path.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
+def method_summaries(run: Path) -> dict[str, dict[str, Any]] | None:
+    """Each method's summary in ``run``'s summary.json (one method's summary, or every
+    method's under ``methods``): {} when there is none, None when it cannot be read."""
+    path = run / "summary.json"
+    if not path.is_file():
+        return {}
+    try:
+        held = json.loads(path.read_text(encoding="utf-8"))
+        methods = dict(held.get("methods") or {held["method"]: held})
+    except (OSError, ValueError, KeyError, AttributeError, TypeError):
+        return None
+    return {m: s for m, s in methods.items() if isinstance(s, dict)}
+
+
 def read_records(path: Path) -> list[dict[str, Any]]:
     """Every record of a run's ``metrics.jsonl`` (a line cut by a crash, which a resumed run
     leaves in place, is skipped)."""

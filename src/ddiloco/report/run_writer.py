@@ -12,14 +12,19 @@ for each, :meth:`RunWriter.ended` with its summary; :meth:`RunWriter.close` once
 
 from __future__ import annotations
 
-import json
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from ddiloco.config import RunConfig
-from ddiloco.report.metrics import MetricsWriter, kept_records, read_records, write_json
+from ddiloco.report.metrics import (
+    MetricsWriter,
+    kept_records,
+    method_summaries,
+    read_records,
+    write_json,
+)
 from ddiloco.report.progress import Progress
 from ddiloco.report.summary import add_equal_time
 
@@ -125,13 +130,9 @@ def never_back(out: Path, summaries: list[dict[str, Any]]) -> list[dict[str, Any
     """This launch's summaries merged into the run's summary.json, none taken back to fewer
     tokens (see :func:`finish`)."""
     path = out / "summary.json"
-    if not path.is_file():
-        return summaries
-    try:
-        held = json.loads(path.read_text(encoding="utf-8"))
-        before = dict(held.get("methods") or {held["method"]: held})
-    except (ValueError, KeyError, AttributeError) as exc:
-        print(f"ddiloco: {path} unreadable ({exc}): replaced", file=sys.stderr, flush=True)
+    before = method_summaries(out)
+    if before is None:
+        print(f"ddiloco: {path} unreadable: replaced", file=sys.stderr, flush=True)
         return summaries
     kept, fewer = [], []
     for s in summaries:

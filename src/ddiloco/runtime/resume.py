@@ -58,6 +58,7 @@ from typing import Any
 from ddiloco.chaos.plan import ChaosGenerators
 from ddiloco.config import RunConfig, load_config, to_toml
 from ddiloco.errors import ConfigError
+from ddiloco.report.metrics import method_summaries
 
 CONFIG = "config.toml"
 METRICS = "metrics.jsonl"
@@ -118,14 +119,14 @@ def write_back(run: Path, config: RunConfig) -> list[str]:
     return [f"{key}: {old!r} -> {new!r}" for key, old, new in changes]
 
 
-def finished_methods(run: Path, config: RunConfig) -> dict[str, dict[str, Any]]:
-    """The methods of ``run``'s summary.json that trained to ``config``'s budget and were not
-    stopped early (each one's summary), said on the terminal: a resume of real processes does
-    not start them again (a simulated run tells the same from its final checkpoints)."""
+def finished_methods(held: dict[str, dict[str, Any]], config: RunConfig) -> dict[str, Any]:
+    """The methods of a run's summaries (``held``: :func:`held_summaries`) that trained to
+    ``config``'s budget and were not stopped early (each one's summary), said on the terminal:
+    a resume of real processes does not start them again (a simulated run tells the same from
+    its final checkpoints)."""
     done = {}
-    methods = held_summaries(run)
     for method in config.methods:
-        s = methods.get(method)
+        s = held.get(method)
         if (
             isinstance(s, dict)
             and isinstance(s.get("tokens"), int)
@@ -143,12 +144,7 @@ def finished_methods(run: Path, config: RunConfig) -> dict[str, dict[str, Any]]:
 def held_summaries(run: Path) -> dict[str, dict[str, Any]]:
     """Each method's summary in ``run``'s summary.json ({} if there is none or it is
     unreadable: every method then resumes from its own state)."""
-    try:
-        held = json.loads((run / "summary.json").read_text(encoding="utf-8"))
-        methods = dict(held.get("methods") or {held["method"]: held})
-    except (OSError, ValueError, KeyError, AttributeError, TypeError):
-        return {}
-    return {m: s for m, s in methods.items() if isinstance(s, dict)}
+    return method_summaries(run) or {}
 
 
 def carry_bytes(summary: dict[str, Any], before: dict[str, Any] | None) -> None:
