@@ -12,6 +12,7 @@ Each function here is one experiment of ``benchmarks/experiments.py`` whose ``--
     python benchmarks/experiments.py learners --tokens 20 --seeds 0 1
     python benchmarks/experiments.py compression --tokens 20 --seeds 0 1
     python benchmarks/experiments.py gap --tokens 20 --seeds 0 1
+    python benchmarks/experiments.py merge-rule --tokens 20 --seeds 0 1
 
 What each table compares is said in its function's docstring; docs/results.md §12 holds the
 tables and the decisions they led to.
@@ -164,6 +165,19 @@ def gap(per_param: int) -> list[Run]:
     ]
 
 
+def merge_rule(per_param: int) -> list[Run]:
+    """RDA against the plain weighted mean at M = 4, each over outer learning rates (no
+    momentum): RDA keeps a learner's typical step length, the mean shrinks it as the
+    learners' deltas disagree, so their best rates differ."""
+    base = [*at_budget(KNOB_MODEL, per_param), "methods=['decoupled']", "chaos=[]"]
+    runs = []
+    for rule, rates in (("rda", (0.7, 1.0, 1.3)), ("mean", (1.0, 1.5, 2.0))):
+        for lr in rates:
+            sets = [*base, f"sync.merge_rule='{rule}'", f"sync.outer.lr={lr}"]
+            runs.append((f"{rule}, outer lr {lr}", sets))
+    return runs
+
+
 def compression(per_param: int) -> list[Run]:
     """The answers' wire format at the budget: bf16, int4, int2, no failures."""
     base = [*at_budget(KNOB_MODEL, per_param), "methods=['decoupled']", "chaos=[]"]
@@ -177,6 +191,7 @@ QUALITY = {
     "staleness": staleness,
     "learners": learners,
     "gap": gap,
+    "merge-rule": merge_rule,
     "compression": compression,
 }
 
