@@ -141,15 +141,21 @@ class _Learner:
     k=st.integers(1, 3),
     staleness=st.integers(0, 2),
     apply=st.sampled_from(APPLY_RULES),
+    stale_weight=st.sampled_from([0.0, 1.0]),
+    anchor=st.sampled_from(["base", "current"]),
 )
-def test_ledger_balances_under_random_event_sequences(seed, k, staleness, apply):
-    """Crashes, losses, duplicates, reordering, late answers, under every apply rule: every
-    token is accounted for, and the learners' counters never claim more than the ledger
-    credits (carried progress is neither lost nor counted twice)."""
+def test_ledger_balances_under_random_event_sequences(
+    seed, k, staleness, apply, stale_weight, anchor
+):
+    """Crashes, losses, duplicates, reordering, late answers (weighted down and anchored on
+    the current value, or not), under every apply rule: every token is accounted for, and
+    the learners' counters never claim more than the ledger credits (carried progress is
+    neither lost nor counted twice); every fragment stays finite."""
     rng = random.Random(seed)
     carry = apply == "carry"
     ledger = TokenLedger(2, carry=carry)
-    syncer = _syncer(k=k, ledger=ledger, max_staleness=staleness)
+    late = {"stale_weight": stale_weight, "anchor": anchor}
+    syncer = _syncer(k=k, ledger=ledger, max_staleness=staleness, **late)
     learners = [_Learner(m, syncer, apply) for m in range(3)]
     for lr in learners:
         syncer.join(lr.id)
@@ -210,6 +216,7 @@ def test_ledger_balances_under_random_event_sequences(seed, k, staleness, apply)
         assert "overwritten" not in summary["tokens_wasted"]  # nothing is thrown away
     else:
         assert summary["tokens_carried"] == 0
+    assert all(bool(torch.isfinite(t).all()) for f in syncer.fragments for t in f)
 
 
 def test_ledger_refuses_impossible_counters():
