@@ -9,6 +9,7 @@ Each function here is one experiment of ``benchmarks/experiments.py`` whose ``--
     python benchmarks/experiments.py lr-sweep --tokens 20 --seeds 0 1
     python benchmarks/experiments.py outer --tokens 20 --seeds 0 1
     python benchmarks/experiments.py outer-fine --tokens 20 --seeds 0 1
+    python benchmarks/experiments.py short --seeds 0 1    (decision 83's short budgets)
     python benchmarks/experiments.py staleness --tokens 20 --seeds 0 1
     python benchmarks/experiments.py learners --tokens 20 --seeds 0 1
     python benchmarks/experiments.py compression --tokens 20 --seeds 0 1
@@ -139,6 +140,48 @@ def outer_fine(per_param: int) -> list[Run]:
     ]
 
 
+SHORT_STEPS = {  # the outer steps the short-budget check compares (eta, mu)
+    "as-is (1, 0)": (1.0, 0.0),
+    "nesterov (0.5, 0.9)": (0.5, 0.9),
+    "nesterov (0.3, 0.9)": (0.3, 0.9),
+    "nesterov (0.5, 0.8)": (0.5, 0.8),
+}
+TINY_GPT2 = Path("runs/tiny-gpt2")  # decision 83's model, written by :func:`tiny_gpt2`
+
+
+def tiny_gpt2() -> str:
+    """Decision 83's tiny Hugging Face GPT-2 (125K parameters), its config written once."""
+    if not (TINY_GPT2 / "config.json").exists():
+        from transformers import GPT2Config
+
+        config = GPT2Config(
+            n_layer=2, n_head=2, n_embd=64, n_positions=128, vocab_size=256,
+            bos_token_id=0, eos_token_id=0,
+        )  # fmt: skip
+        config.save_pretrained(TINY_GPT2)
+    return f"hf:{TINY_GPT2.resolve()}"
+
+
+def short(_: int) -> list[Run]:
+    """The budgets where decision 83 chose the outer step (2-5 tokens per parameter): the
+    tiny GPT-2 that stalled under Nesterov (M = 2, P = 4, H = 8, 600K tokens) and the demo
+    (gpt-1m, 1.5M tokens, its crash and straggler), each outer step of SHORT_STEPS. (--tokens
+    is not used: these budgets are the point.)"""
+    gpt2 = [
+        f"model='{tiny_gpt2()}'", "train.learners=2", "train.batch_size=8",
+        "train.tokens=600000", "train.eval_every=100000", "sync.fragments=4",
+        "sync.sync_every=8", "chaos=[]", "methods=['decoupled']",
+    ]  # fmt: skip
+    demo = ["train.tokens=1500000", "train.eval_every=300000", DEMO_FAILURES]
+    demo.append("methods=['decoupled']")
+    runs = []
+    for setting, base in (("tiny GPT-2", gpt2), ("demo", demo)):
+        for label, (eta, mu) in SHORT_STEPS.items():
+            sets = [*base, f"sync.outer.lr={eta}", f"sync.outer.momentum={mu}"]
+            runs.append((f"{setting}, {label}", sets))
+    return runs
+
+
 def staleness(per_param: int) -> list[Run]:
     """Late answers (half the learners 1.5x slower, a far link): today's rule (a late delta
     against its own base, dropped past max_staleness 1), staleness-aware weights, anchoring on
@@ -212,6 +255,7 @@ QUALITY = {
     "lr-sweep": lr_sweep,
     "outer": outer,
     "outer-fine": outer_fine,
+    "short": short,
     "staleness": staleness,
     "learners": learners,
     "gap": gap,
