@@ -10,6 +10,7 @@ Each function here is one experiment of ``benchmarks/experiments.py`` whose ``--
     python benchmarks/experiments.py outer --tokens 20 --seeds 0 1
     python benchmarks/experiments.py outer-fine --tokens 20 --seeds 0 1
     python benchmarks/experiments.py short --seeds 0 1    (decision 83's short budgets)
+    python benchmarks/experiments.py warmup --seeds 0 1   (Nesterov with a momentum warmup)
     python benchmarks/experiments.py staleness --tokens 20 --seeds 0 1
     python benchmarks/experiments.py learners --tokens 20 --seeds 0 1
     python benchmarks/experiments.py compression --tokens 20 --seeds 0 1
@@ -182,6 +183,23 @@ def short(_: int) -> list[Run]:
     return runs
 
 
+def warmup(per_param: int) -> list[Run]:
+    """Nesterov (0.5, 0.9) with its momentum ramped from 0 over the first W outer steps of
+    each fragment, where the plain one stalls (decision 83's tiny GPT-2, one seed) and where
+    it wins (KNOB_MODEL at the budget), and the demo."""
+    runs: list[Run] = []
+    nesterov = ["sync.outer.lr=0.5", "sync.outer.momentum=0.9"]
+    for w in (10, 30):
+        gpt2 = short(per_param)[0][1][:-2]  # (its base, without the outer step)
+        runs.append((f"tiny GPT-2, W={w}", [*gpt2, *nesterov, f"sync.outer.warmup={w}"]))
+    base = [*at_budget(KNOB_MODEL, per_param), "methods=['decoupled']", "chaos=[]"]
+    for w in (10, 30, 100):
+        runs.append((f"{KNOB_MODEL}, W={w}", [*base, *nesterov, f"sync.outer.warmup={w}"]))
+    demo = short(per_param)[4][1][:-2]
+    runs.append(("demo, W=30", [*demo, *nesterov, "sync.outer.warmup=30"]))
+    return runs
+
+
 def staleness(per_param: int) -> list[Run]:
     """Late answers (half the learners 1.5x slower, a far link): today's rule (a late delta
     against its own base, dropped past max_staleness 1), staleness-aware weights, anchoring on
@@ -256,6 +274,7 @@ QUALITY = {
     "outer": outer,
     "outer-fine": outer_fine,
     "short": short,
+    "warmup": warmup,
     "staleness": staleness,
     "learners": learners,
     "gap": gap,

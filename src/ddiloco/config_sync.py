@@ -59,12 +59,13 @@ class OuterStepConfig:
     momentum: float = 0.0
     delay: int = 1  # delayed_nesterov: momentum refreshed every this many outer steps
     follows_schedule: bool = True  # momentum in units of the inner lr (core/outer.py)
+    warmup: int = 0  # nesterov: momentum ramps from 0 over this many outer steps a fragment
 
     def __post_init__(self) -> None:
         self.core()
 
     def core(self) -> OuterConfig:
-        return OuterConfig(self.optimizer, self.lr, self.momentum, self.delay)
+        return OuterConfig(self.optimizer, self.lr, self.momentum, self.delay, warmup=self.warmup)
 
 
 @dataclass(frozen=True)

@@ -217,3 +217,23 @@ def test_no_momentum_keeps_no_buffer_and_a_saved_one_is_not_loaded():
     assert opt.state_dict() == {"steps": 1, "buffers": None}
     opt.load_state_dict({"steps": 3, "buffers": [torch.ones(4)]})
     assert opt.state_dict() == {"steps": 3, "buffers": None}
+
+
+def test_a_momentum_warmup_ramps_mu_from_zero_and_is_plain_nesterov_after_it():
+    """``warmup = W``: the k-th outer step (from 0) uses mu k / W, then mu; W = 0 is plain."""
+    g = [torch.tensor([1.0, -2.0])]
+    warm = make_outer_optimizer(OuterConfig("nesterov", lr=0.5, momentum=0.9, warmup=2))
+    plain = make_outer_optimizer(OuterConfig("nesterov", lr=0.5, momentum=0.9))
+    p_warm, p_plain = [torch.zeros(2)], [torch.zeros(2)]
+    buf = torch.zeros(2)
+    want = torch.zeros(2)
+    for k in range(4):
+        mu = 0.9 * min(1.0, k / 2)
+        buf = g[0].clone() if k == 0 else buf * mu + g[0]
+        want -= 0.5 * (g[0] + mu * buf)
+        warm.step(p_warm, [t.clone() for t in g])
+        plain.step(p_plain, [t.clone() for t in g])
+        torch.testing.assert_close(p_warm[0], want)
+    assert not torch.allclose(p_warm[0], p_plain[0])  # (the plain one pushed harder early)
+    with pytest.raises(ConfigError, match="outer.warmup"):
+        OuterConfig(warmup=-1)

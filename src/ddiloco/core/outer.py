@@ -46,6 +46,7 @@ class OuterConfig:
     momentum: float = 0.9
     delay: int = 1  # delayed_nesterov: momentum refresh every ``delay`` outer steps
     interim_scale: float | None = None  # delayed_nesterov: c, default 1/delay
+    warmup: int = 0  # nesterov: momentum ramps from 0 to ``momentum`` over this many steps
 
     def __post_init__(self) -> None:
         require(
@@ -57,6 +58,7 @@ class OuterConfig:
         require(self.lr > 0.0, "outer.lr", self.lr, "must be > 0")
         require(0.0 <= self.momentum < 1.0, "outer.momentum", self.momentum, "must be in [0, 1)")
         require(self.delay >= 1, "outer.delay", self.delay, "must be >= 1")
+        require(self.warmup >= 0, "outer.warmup", self.warmup, "must be >= 0")
         if self.interim_scale is not None:
             require(
                 0.0 <= self.interim_scale <= 1.0,
@@ -129,9 +131,10 @@ class NesterovSGD:
     copy of the model less in the syncer's memory (torch's SGD keeps none either).
     """
 
-    def __init__(self, lr: float, momentum: float) -> None:
+    def __init__(self, lr: float, momentum: float, warmup: int = 0) -> None:
         self.lr = lr
         self.momentum = momentum
+        self.warmup = warmup  # outer steps over which mu ramps from 0 (0: none)
         self.buffers: list[torch.Tensor] | None = None
         self.steps = 0
 
@@ -146,13 +149,16 @@ class NesterovSGD:
             self.steps += 1
             return
         # (x * 1.0 and x / 1.0 are exact, and mu ** 1.0 is mu: s = f = 1 is plain Nesterov)
-        decay = self.momentum if fraction == 1.0 else self.momentum**fraction
+        momentum = self.momentum
+        if self.warmup and self.steps < self.warmup:
+            momentum *= self.steps / self.warmup
+        decay = momentum if fraction == 1.0 else momentum**fraction
         if self.buffers is None:
             self.buffers = [g.to(torch.float32, copy=True).div_(scale) for g in grads]
         else:
             for buf, g in zip(self.buffers, grads, strict=True):
                 buf.mul_(decay).add_(g, alpha=1.0 / scale)
-        mu = self.momentum * scale * fraction
+        mu = momentum * scale * fraction
         for p, g, buf in zip(params, grads, self.buffers, strict=True):
             p.add_(g.add_(buf, alpha=mu), alpha=-self.lr)  # as torch's SGD, in place
         self.steps += 1
@@ -227,6 +233,6 @@ def make_outer_optimizer(config: OuterConfig) -> OuterOptimizer:
     if config.name == "sgd":
         return PlainSGD(config.lr)
     if config.name == "nesterov":
-        return NesterovSGD(config.lr, config.momentum)
+        return NesterovSGD(config.lr, config.momentum, config.warmup)
     scale = config.interim_scale if config.interim_scale is not None else 1.0 / config.delay
     return DelayedNesterov(config.lr, config.momentum, config.delay, scale)
