@@ -11,7 +11,9 @@ Each function here is one experiment of ``benchmarks/experiments.py`` whose ``--
     python benchmarks/experiments.py outer-fine --tokens 20 --seeds 0 1
     python benchmarks/experiments.py short --seeds 0 1    (decision 83's short budgets)
     python benchmarks/experiments.py warmup --seeds 0 1   (Nesterov with a momentum warmup)
+    python benchmarks/experiments.py warmup-lr --seeds 0 1
     python benchmarks/experiments.py staleness --tokens 20 --seeds 0 1
+    python benchmarks/experiments.py late-weights --tokens 20 --seeds 0 1
     python benchmarks/experiments.py learners --tokens 20 --seeds 0 1
     python benchmarks/experiments.py compression --tokens 20 --seeds 0 1
     python benchmarks/experiments.py gap --tokens 20 --seeds 0 1
@@ -121,23 +123,27 @@ def outer(per_param: int) -> list[Run]:
 
 
 def outer_fine(per_param: int) -> list[Run]:
-    """Around the best of :func:`outer` at H = 12 (Nesterov 0.5, 0.9): a lower rate and
-    less momentum at the shipped inner lr, and the outer steps again at a higher inner lr
-    (the sweep's better one): does the choice hold where the inner lr is best?"""
+    """The outer step at the inner lr the sweep found best for Decoupled (6e-3, twice the
+    shipped one): as-is against Nesterov (0.5, 0.9) with its momentum warmed up over 30
+    outer steps (the shipped step): does the choice hold where the inner lr is best?"""
     base = [*at_budget(KNOB_MODEL, per_param), "methods=['decoupled']", "chaos=[]"]
     grid = {
-        "inner lr 0.003, nesterov (0.3, 0.9)": (0.003, 0.3, 0.9),
-        "inner lr 0.003, nesterov (0.5, 0.8)": (0.003, 0.5, 0.8),
-        "inner lr 0.006, as-is (1, 0)": (0.006, 1.0, 0.0),
-        "inner lr 0.006, nesterov (0.5, 0.9)": (0.006, 0.5, 0.9),
-        "inner lr 0.006, nesterov (0.3, 0.9)": (0.006, 0.3, 0.9),
+        "inner lr 0.006, as-is (1, 0)": (0.006, 1.0, 0.0, 0),
+        "inner lr 0.006, nesterov (0.5, 0.9) W=30": (0.006, 0.5, 0.9, 30),
     }
     return [
         (
             label,
-            [*base, f"train.lr={lr}", f"sync.outer.lr={eta}", f"sync.outer.momentum={mu}"],
+            [
+                *base,
+                f"train.lr={lr}",
+                f"sync.outer.lr={eta}",
+                f"sync.outer.momentum={mu}",
+                f"sync.outer.warmup={w}",
+                "sync.outer.warmup_lr=false",
+            ],
         )
-        for label, (lr, eta, mu) in grid.items()
+        for label, (lr, eta, mu, w) in grid.items()
     ]
 
 
@@ -200,6 +206,19 @@ def warmup(per_param: int) -> list[Run]:
     return runs
 
 
+def warmup_lr(per_param: int) -> list[Run]:
+    """:func:`warmup`'s W = 30 with the rate ramped too, from 1 (the merged delta as it is)
+    to 0.5: the warmup's first steps no longer move the global model half as far as as-is."""
+    runs: list[Run] = []
+    ramp = ["sync.outer.lr=0.5", "sync.outer.momentum=0.9", "sync.outer.warmup=30"]
+    ramp.append("sync.outer.warmup_lr=true")
+    gpt2 = short(per_param)[0][1][:-2]
+    runs.append(("tiny GPT-2, W=30, lr ramp", [*gpt2, *ramp]))
+    base = [*at_budget(KNOB_MODEL, per_param), "methods=['decoupled']", "chaos=[]"]
+    runs.append((f"{KNOB_MODEL}, W=30, lr ramp", [*base, *ramp]))
+    return runs
+
+
 def staleness(per_param: int) -> list[Run]:
     """Late answers (half the learners 1.5x slower, a far link): today's rule (a late delta
     against its own base, dropped past max_staleness 1), staleness-aware weights, anchoring on
@@ -220,6 +239,15 @@ def staleness(per_param: int) -> list[Run]:
             (f"{grace}, {label}", [*base, *window, *sets]) for label, sets in variants.items()
         )
     return runs
+
+
+def late_weights(per_param: int) -> list[Run]:
+    """:func:`staleness`'s grace runs without and with staleness-aware weights, under the
+    shipped outer step (the staleness experiment ran under the merged delta as it is)."""
+    return [r for r in staleness(per_param) if r[0] in LATE_PAIR]
+
+
+LATE_PAIR = ("grace, today (own base, s<=1)", "grace, weights 1/(1+s)")
 
 
 def learners(per_param: int) -> list[Run]:
@@ -275,7 +303,9 @@ QUALITY = {
     "outer-fine": outer_fine,
     "short": short,
     "warmup": warmup,
+    "warmup-lr": warmup_lr,
     "staleness": staleness,
+    "late-weights": late_weights,
     "learners": learners,
     "gap": gap,
     "merge-rule": merge_rule,

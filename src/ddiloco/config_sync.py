@@ -51,21 +51,31 @@ class RoundsConfig:
 
 @dataclass(frozen=True)
 class OuterStepConfig:
-    """``[sync.outer]``: Decoupled's outer step (core/outer.py). The default is the merged
-    delta as it is (decision 83); the paper's Nesterov is lr 0.5, momentum 0.9."""
+    """``[sync.outer]``: Decoupled's outer step (core/outer.py). The default is the paper's
+    Nesterov (lr 0.5, momentum 0.9) with its momentum ramped up over the first 30 outer steps
+    of each fragment (decision 116; the merged delta as it is, decision 83, is lr 1.0,
+    momentum 0.0)."""
 
     optimizer: str = "nesterov"  # nesterov, sgd, delayed_nesterov
-    lr: float = 1.0
-    momentum: float = 0.0
+    lr: float = 0.5
+    momentum: float = 0.9
     delay: int = 1  # delayed_nesterov: momentum refreshed every this many outer steps
     follows_schedule: bool = True  # momentum in units of the inner lr (core/outer.py)
-    warmup: int = 0  # nesterov: momentum ramps from 0 over this many outer steps a fragment
+    warmup: int = 30  # nesterov: momentum ramps from 0 over this many outer steps a fragment
+    warmup_lr: bool = False  # ... and the rate from 1 (the merged delta as it is) to lr
 
     def __post_init__(self) -> None:
         self.core()
 
     def core(self) -> OuterConfig:
-        return OuterConfig(self.optimizer, self.lr, self.momentum, self.delay, warmup=self.warmup)
+        return OuterConfig(
+            self.optimizer,
+            self.lr,
+            self.momentum,
+            self.delay,
+            warmup=self.warmup,
+            warmup_lr=self.warmup_lr,
+        )
 
 
 @dataclass(frozen=True)

@@ -88,15 +88,16 @@ def test_the_apply_rule_is_checked_and_a_blend_without_it_is_refused():
         load_config(None, ["sync.apply='blend'", "sync.blend=0.0"])
 
 
-def test_decoupled_applies_the_merged_delta_as_is_and_the_baselines_their_published_step():
+def test_decoupled_warms_its_nesterov_momentum_up_and_the_baselines_take_their_published_step():
     from ddiloco.methods import method_for
 
     config = load_config(None, [])
     sync = method_for(config, "decoupled").sync
-    assert (sync.outer.lr, sync.outer.momentum) == (1.0, 0.0)  # decision 83
+    assert (sync.outer.lr, sync.outer.momentum, sync.outer.warmup) == (0.5, 0.9, 30)  # 116
     for name in ("diloco", "streaming"):
         sync = method_for(config, name).sync
         assert (sync.merge_rule, sync.outer.lr, sync.outer.momentum) == ("mean", 0.7, 0.9)
+        assert sync.outer.warmup == 0  # (momentum from the first step, as published)
     as_is = load_config(None, ["sync.mean_outer_lr=1.0", "sync.mean_outer_momentum=0.0"])
     assert method_for(as_is, "diloco").sync.outer.momentum == 0.0
     with pytest.raises(ConfigError, match=r"diloco\.outer_momentum"):  # (its name now)

@@ -159,7 +159,9 @@ def test_a_short_simulated_run_lowers_the_eval_loss(tmp_path, kind):
     assert main(argv) == 0
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     evals = [r["loss"] for r in records if r["kind"] == "eval"]
-    assert len(evals) >= 3 and evals[-1] < evals[0] - 0.5  # ~5.55 -> ~4.6-4.8 nats/token
+    # ~5.55 -> ~5.1 nats/token (-> ~4.7 with the merged delta as it is: the shipped outer
+    # step's warmup moves the global model by half a learner's delta at first, decision 116)
+    assert len(evals) >= 3 and evals[-1] < evals[0] - 0.4
     summary = json.loads((out / "summary.json").read_text())
     assert summary["eval_loss"] == pytest.approx(evals[-1])
 

@@ -235,5 +235,5 @@ def test_a_momentum_warmup_ramps_mu_from_zero_and_is_plain_nesterov_after_it():
         plain.step(p_plain, [t.clone() for t in g])
         torch.testing.assert_close(p_warm[0], want)
     assert not torch.allclose(p_warm[0], p_plain[0])  # (the plain one pushed harder early)
-    with pytest.raises(ConfigError, match="outer.warmup"):
+    with pytest.raises(ConfigError, match=r"outer\.warmup"):
         OuterConfig(warmup=-1)

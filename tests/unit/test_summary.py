@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from ddiloco.config import load_config
 from ddiloco.report.summary import add_equal_time, loss_at
 
 CURVE = [(0.0, 5.0), (10.0, 4.0), (30.0, 2.0)]
@@ -44,3 +45,16 @@ def test_the_tables_equal_time_names_the_method_that_set_it_and_compare_says_eac
     assert "at 119 wall s: when decoupled finished" in one_run
     two_runs = render([s("a/decoupled", 119, 119), s("b/decoupled", 62, 62)])
     assert "at equal time: each run's, when its first method finished" in two_runs
+
+
+def test_a_run_whose_answers_came_late_under_outer_momentum_is_told_so():
+    from ddiloco.commands.train import late_notes
+
+    late = {"method": "decoupled", "answers": {"accepted": 100, "waiting": 300, "late": 250}}
+    fresh = {"method": "decoupled", "answers": {"accepted": 400, "late": 20}}
+    config = load_config(None, ["methods=['decoupled']"])
+    (note,) = late_notes(config, [late])
+    assert "250 of decoupled's 400 answers came late" in note and "momentum=0.0" in note
+    assert late_notes(config, [fresh]) == []  # (5%: nothing to say)
+    as_is = load_config(None, ["methods=['decoupled']", "sync.outer.momentum=0.0"])
+    assert late_notes(as_is, [late]) == []  # no momentum to carry them on

@@ -110,6 +110,8 @@ def run(args: argparse.Namespace) -> int:
         return 128 + signal.SIGINT
     print()
     print(render(summaries))
+    for note in late_notes(config, summaries):
+        print(note)
     print(f"\nrun directory: {out}")
     print(models(summaries, out))
     stopped = next((s["stop_signal"] for s in summaries if s.get("stop_signal")), None)
@@ -173,6 +175,30 @@ def render(summaries: list[dict[str, Any]]) -> str:
                 {k: round(v) for k, v in s["tokens_wasted"].items()}
             )
     return text
+
+
+LATE_SHARE = 0.25  # late answers this common make outer momentum a poor choice (§12)
+
+
+def late_notes(config: RunConfig, summaries: list[dict[str, Any]]) -> list[str]:
+    """A method whose merged answers came late this often, under outer momentum: the one
+    setting where the merged delta as it is measured better (docs/results.md §12)."""
+    notes = []
+    for s in summaries:
+        answers = s.get("answers") or {}
+        admitted = answers.get("accepted", 0) + answers.get("waiting", 0)
+        late = answers.get("late", 0)
+        if not admitted or late < LATE_SHARE * admitted or s["method"] not in config.methods:
+            continue
+        outer = method_for(config, s["method"]).sync.outer
+        if outer.momentum > 0:
+            notes.append(
+                f"note: {late:,} of {s['method']}'s {admitted:,} answers came late (after their "
+                "round closed), and outer momentum carries each late delta on: with answers "
+                "this late the merged delta as it is did better (--set sync.outer.lr=1.0 "
+                "--set sync.outer.momentum=0.0; docs/results.md §12)"
+            )
+    return notes
 
 
 def resumed_line(note: dict[str, Any]) -> str:

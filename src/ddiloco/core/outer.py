@@ -47,6 +47,7 @@ class OuterConfig:
     delay: int = 1  # delayed_nesterov: momentum refresh every ``delay`` outer steps
     interim_scale: float | None = None  # delayed_nesterov: c, default 1/delay
     warmup: int = 0  # nesterov: momentum ramps from 0 to ``momentum`` over this many steps
+    warmup_lr: bool = False  # ... and the rate from 1 (the merged delta as it is) to ``lr``
 
     def __post_init__(self) -> None:
         require(
@@ -131,10 +132,13 @@ class NesterovSGD:
     copy of the model less in the syncer's memory (torch's SGD keeps none either).
     """
 
-    def __init__(self, lr: float, momentum: float, warmup: int = 0) -> None:
+    def __init__(
+        self, lr: float, momentum: float, warmup: int = 0, warmup_lr: bool = False
+    ) -> None:
         self.lr = lr
         self.momentum = momentum
         self.warmup = warmup  # outer steps over which mu ramps from 0 (0: none)
+        self.warmup_lr = warmup_lr  # ... and lr from 1
         self.buffers: list[torch.Tensor] | None = None
         self.steps = 0
 
@@ -149,9 +153,12 @@ class NesterovSGD:
             self.steps += 1
             return
         # (x * 1.0 and x / 1.0 are exact, and mu ** 1.0 is mu: s = f = 1 is plain Nesterov)
-        momentum = self.momentum
+        momentum, lr = self.momentum, self.lr
         if self.warmup and self.steps < self.warmup:
-            momentum *= self.steps / self.warmup
+            ramp = self.steps / self.warmup
+            momentum *= ramp
+            if self.warmup_lr:
+                lr += (1.0 - lr) * (1.0 - ramp)
         decay = momentum if fraction == 1.0 else momentum**fraction
         if self.buffers is None:
             self.buffers = [g.to(torch.float32, copy=True).div_(scale) for g in grads]
@@ -160,7 +167,7 @@ class NesterovSGD:
                 buf.mul_(decay).add_(g, alpha=1.0 / scale)
         mu = momentum * scale * fraction
         for p, g, buf in zip(params, grads, self.buffers, strict=True):
-            p.add_(g.add_(buf, alpha=mu), alpha=-self.lr)  # as torch's SGD, in place
+            p.add_(g.add_(buf, alpha=mu), alpha=-lr)  # as torch's SGD, in place
         self.steps += 1
 
     def state_dict(self) -> dict[str, Any]:
@@ -233,6 +240,6 @@ def make_outer_optimizer(config: OuterConfig) -> OuterOptimizer:
     if config.name == "sgd":
         return PlainSGD(config.lr)
     if config.name == "nesterov":
-        return NesterovSGD(config.lr, config.momentum, config.warmup)
+        return NesterovSGD(config.lr, config.momentum, config.warmup, config.warmup_lr)
     scale = config.interim_scale if config.interim_scale is not None else 1.0 / config.delay
     return DelayedNesterov(config.lr, config.momentum, config.delay, scale)

@@ -395,6 +395,8 @@ class SyncerState:
         p = closed.fragment
         rounds = self.config.rounds
         stale = [closed.version - a.base_version for a in closed.answers]
+        for _ in range(sum(1 for s in stale if s > 0)):
+            self._count("late")  # merged on a base older than the version it replaced
         counters = [(a.c_tokens, a.c_steps) for a in closed.answers]
         weights = answer_weights(counters, stale, rounds.stale_weight)
         held = [self.held.pop(a.key) for a in closed.answers]

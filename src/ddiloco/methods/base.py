@@ -32,6 +32,8 @@ class Method:
 def published_mean_step(sync: SyncConfig, mean: MeanStepConfig) -> SyncConfig:
     """``sync`` with a plain-mean baseline's merge and outer step, as DiLoCo and Streaming
     DiLoCo publish them: a plain average, the outer step at the method table's ``outer_lr`` and
-    ``outer_momentum`` (``[diloco]``, ``[streaming]``)."""
-    outer = dataclasses.replace(sync.outer, lr=mean.outer_lr, momentum=mean.outer_momentum)
+    ``outer_momentum`` (``[diloco]``, ``[streaming]``), its momentum from the first step."""
+    outer = dataclasses.replace(
+        sync.outer, lr=mean.outer_lr, momentum=mean.outer_momentum, warmup=0
+    )  # (the published step has no momentum warmup)
     return dataclasses.replace(sync, merge_rule="mean", outer=outer)
