@@ -36,7 +36,7 @@ class RoundsConfig:
     grace: bool = True
     grace_gamma: float = 0.5
     grace_cap_steps: float = 1.0
-    stale_weight: float = 0.0  # lambda: a late answer weighs 1 / (1 + lambda x staleness)
+    stale_weight: float = 1.0  # lambda: a late answer weighs 1 / (1 + lambda x staleness)
     anchor: str = "base"  # "current": a late delta re-taken against the current value
 
     def __post_init__(self) -> None:

@@ -2,9 +2,9 @@
 
 An answer's delta is ``theta_learner - Theta_base``, taken against the version ``b`` its
 learner last received; by the time it merges the fragment is at ``v >= b`` (its staleness
-is ``s = v - b``; past ``max_staleness`` the round policy drops it). Two options, both off by
-default (docs/decisions.md 115 says what the data chose), both pure and replayed exactly
-by the journal's audit:
+is ``s = v - b``; past ``max_staleness`` the round policy drops it). Two options, off in the
+core; the training config turns the weights on (docs/decisions.md 115 says what the data
+chose); both pure and replayed exactly by the journal's audit:
 
 - **staleness-aware weights** (``stale_weight`` = lambda > 0): the answer's token weight
   times ``1 / (1 + lambda s)`` (fsb's tokens / (1 + lambda s); CGAD's decreasing function of
