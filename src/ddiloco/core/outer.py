@@ -128,8 +128,13 @@ class NesterovSGD:
     """SGD with Nesterov momentum, identical to ``torch.optim.SGD(nesterov=True)``.
 
     buf <- mu * buf + Delta (buf = Delta on the first step); Theta <- Theta - lr (Delta + mu buf).
-    With mu = 0 (Decoupled's default) that is Theta - lr Delta and no buffer is kept: one fp32
-    copy of the model less in the syncer's memory (torch's SGD keeps none either).
+    With mu = 0 (the merged delta as it is, at lr 1) that is Theta - lr Delta and no buffer is
+    kept: one fp32 copy of the model less in the syncer's memory (torch's SGD keeps none).
+
+    ``warmup = W`` (Decoupled's default: 30, decision 116): the k-th step (from 0) uses
+    mu k / W until k = W, so the first outer steps, whose deltas are the largest, are not
+    multiplied by lr / (1 - mu); ``warmup_lr`` ramps the rate from 1 to ``lr`` as well.
+    The step count is in the state, so a restarted syncer goes on where the ramp was.
     """
 
     def __init__(

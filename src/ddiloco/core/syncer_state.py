@@ -421,7 +421,7 @@ class SyncerState:
             if closed.final
             else period_fraction(closed.opened_step, self._merged_opened[p], self.plan.sync_every)
         )
-        before = self._history.before(self.fragments[p]) if self._history else None
+        before = None if self._history is None else self._history.before(self.fragments[p])
         update_norm = merge_step(
             self.fragments[p],
             self.outer[p],
