@@ -29,7 +29,7 @@ from typing import Any
 
 from ddiloco import train
 from ddiloco.config import load_config
-from quality import LADDER_MODELS, QUALITY, plot_ladder
+from quality import LADDER_MODELS, QUALITY, method_curve, plot_ladder
 
 Run = tuple[str, list[str]]  # (label, --set overrides)
 CRASHES = (
@@ -309,9 +309,7 @@ LATE_COUNTS = ("accepted", "waiting", "stale", "anchored")
 
 def eval_curve(directory: Path, method: str) -> list[tuple[float, float]]:
     """(virtual time, eval loss) of one method, from a run directory's metrics.jsonl."""
-    with open(directory / "metrics.jsonl", encoding="utf-8") as f:
-        records = [json.loads(line) for line in f]
-    return [(r["t"], r["loss"]) for r in records if r["kind"] == "eval" and r["method"] == method]
+    return method_curve(directory, method, "t")
 
 
 def time_to(curve: list[tuple[float, float]], target: float) -> float:

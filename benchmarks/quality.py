@@ -26,13 +26,12 @@ tables and the decisions they led to.
 from __future__ import annotations
 
 import functools
-import itertools
-import json
-import math
 import statistics
 from pathlib import Path
 
 from ddiloco.models.registry import build_model
+from ddiloco.report.metrics import read_records
+from ddiloco.report.summary import loss_at
 
 Run = tuple[str, list[str]]  # (label, --set overrides)
 
@@ -313,29 +312,23 @@ QUALITY = {
 }
 
 
-def _curve(directory: Path, method: str, key: str = "tokens") -> list[tuple[float, float]]:
-    with open(directory / "metrics.jsonl", encoding="utf-8") as f:
-        records = [json.loads(line) for line in f]
+def method_curve(directory: Path, method: str, key: str = "tokens") -> list[tuple[float, float]]:
+    """(``key``, eval loss) of ``method``'s evaluations in a run directory."""
+    records = read_records(directory / "metrics.jsonl")
     return [(r[key], r["loss"]) for r in records if r["kind"] == "eval" and r["method"] == method]
-
-
-def _at(curve: list[tuple[float, float]], x: float) -> float:
-    """The loss at ``x``, linear between two evaluations (None past the curve's end)."""
-    for (x0, y0), (x1, y1) in itertools.pairwise(curve):
-        if x0 <= x <= x1:
-            return y0 if x1 == x0 else y0 + (y1 - y0) * (x - x0) / (x1 - x0)
-    return math.nan
 
 
 def gap_curves(directory: Path, method: str = "decoupled") -> list[tuple[float, float, float]]:
     """(tokens, gap at equal tokens, gap at equal time) of ``method`` to data-parallel in one
     run directory, at each of the method's evaluations after the first."""
-    ours_t, theirs_t = _curve(directory, method, "t"), _curve(directory, "data_parallel", "t")
-    ours, theirs = _curve(directory, method), _curve(directory, "data_parallel")
+    ours, theirs = method_curve(directory, method), method_curve(directory, "data_parallel")
+    ours_t = method_curve(directory, method, "t")
+    theirs_t = method_curve(directory, "data_parallel", "t")
     out = []
     for (n, loss), (t, _) in zip(ours[1:], ours_t[1:], strict=True):
-        dp_n, dp_t = _at(theirs, n), _at(theirs_t, t)
-        out.append((n, (loss - dp_n) / dp_n, (loss - dp_t) / dp_t))
+        dp_n, dp_t = loss_at(theirs, n), loss_at(theirs_t, t)
+        if dp_n is not None and dp_t is not None:
+            out.append((n, (loss - dp_n) / dp_n, (loss - dp_t) / dp_t))
     return out
 
 
