@@ -191,3 +191,17 @@ def test_the_journal_replays_anchored_and_stale_weighted_merges_bit_for_bit():
         for got, want in zip(replayed[p], syncer.fragments[p], strict=True):
             assert torch.equal(got, want)
     assert max(merged.values()) == 1
+
+
+def test_a_journal_record_whose_anchored_flags_do_not_match_its_answers_is_refused():
+    from ddiloco.runtime.processes.syncer.store_format import StoreError
+
+    syncer = _syncer(anchor="current", max_staleness=2)
+    initial = [gather(syncer.plan, p, _initial()) for p in range(2)]
+    journal = _Journal()
+    delta = [torch.zeros(t.shape) for t in syncer.fragments[0]]
+    header = {"fragment": 0, "version": 1, "answers": [[0, 0, 0, 0, 1, 64]],
+              "anchored": [True, False]}  # fmt: skip
+    journal.records.append((header, [encode_tensors(delta, CodecSpec("fp32"))]))
+    with pytest.raises(StoreError, match="2 anchored flags for 1 answers"):
+        replay_journal(journal, initial, syncer.config, [[False, False], [False, False]])

@@ -243,6 +243,9 @@ def replay_journal(
         deltas = [decode_tensors(payload) for payload in payloads]
         norms = [tensor_norms(d) for d in deltas]
         marked = header.get("anchored", [])
+        if marked and len(marked) != len(answers):
+            why = f"fragment {p}: {len(marked)} anchored flags for {len(answers)} answers"
+            raise StoreError("journal", header["version"], why)
         if marked:  # re-taken against the current value, as the syncer did
             bases = [a[3] for a in answers]
             anchor_answers(history, p, versions[p] - 1, bases, deltas, norms, marked)
