@@ -101,7 +101,9 @@ def descendants(root: int) -> list[int]:
 
 
 def role(argv: list[str]) -> str:
-    """learner-<m>, syncer, or what the command line says."""
+    """learner-<m>, syncer, torchrun (a learner's agent), or what the command line says."""
+    if any(a == "torch.distributed.run" or a.endswith("torch/distributed/run.py") for a in argv):
+        return "torchrun"
     if "learner" in argv:
         for flag in ("--id", "--learner"):
             if flag in argv:

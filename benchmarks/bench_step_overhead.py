@@ -12,18 +12,23 @@ evaluation thread, which must not stall merges or beats).
     .venv/bin/python benchmarks/bench_step_overhead.py --model gpt-12m --eval-every 512 \
         --eval-batches 16
     .venv/bin/python benchmarks/bench_step_overhead.py --ray   # the learner as a Ray task
+    .venv/bin/python benchmarks/bench_step_overhead.py --ranks 2 --parallel fsdp  # torchrun
 
 With ``--ray`` the learner runs in a Ray worker process on a local Ray cluster (as ``ddiloco
 train --runtime ray`` runs it; the syncer stays a process): Ray's own threads share the
-machine with it in both kinds of block.
+machine with it in both kinds of block. With ``--ranks R`` the learner is R torchrun ranks
+(``--parallel ddp`` or ``fsdp``), every rank timing its own steps; rank 0 prints.
 """
 
 from __future__ import annotations
 
 import argparse
 import io
+import json
 import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -35,6 +40,7 @@ import torch
 from ddiloco.config import load_config
 from ddiloco.runtime.processes.learner.process import LearnerProcess
 from ddiloco.runtime.processes.transport.events import Events
+from ddiloco.runtime.processes.transport.sockets import SECRET_ENV
 from ddiloco.runtime.run import RunSetup
 from syncer_process import start_syncer
 
@@ -49,11 +55,15 @@ def measure(
     setup = RunSetup(load_config(None, overrides))
     quiet = Events(time.time(), io.StringIO())
     learner = LearnerProcess(setup, 0, address, "bench", secret, quiet)
-    learner.link.start()
-    learner.server.start()
-    learner.link.register(learner.status())
-    if not learner.link.welcomed.wait(120):
-        raise SystemExit("the syncer did not answer")
+    engine = learner.engine
+    if engine.ranks.active:  # every rank: the engine's own start (collectives included)
+        engine.start()
+    else:
+        engine.link.start()
+        engine.server.start()
+        engine.link.register(engine.status())
+        if not engine.link.await_welcome(120):
+            raise SystemExit("the syncer did not answer")
     inner: list[float] = []  # the inner step alone, inside the syncing-on steps
     train_step = learner.trainer.train_step
 
@@ -77,9 +87,12 @@ def measure(
             t = time.perf_counter()
             learner.step()
             on.append(time.perf_counter() - t)
-    merged = sum(learner.sync.versions)
-    learner.link.close(0.0)
-    learner.server.close()
+    merged = sum(engine.sync.versions)
+    if engine.ranks.active:
+        engine.close()
+    else:
+        engine.link.close(0.0)
+        engine.server.close()
     return {"off": off, "on": on, "inner": inner, "merged": merged}
 
 
@@ -93,6 +106,9 @@ def main() -> None:
     parser.add_argument("--eval-every", type=int, default=1_000_000_000, help="syncer, tokens")
     parser.add_argument("--eval-batches", type=int, default=1)
     parser.add_argument("--ray", action="store_true", help="the learner in a Ray worker")
+    parser.add_argument("--ranks", type=int, default=1, help="torchrun ranks of the learner")
+    parser.add_argument("--parallel", default="ddp", choices=["ddp", "fsdp"])
+    parser.add_argument("--rank-child", help=argparse.SUPPRESS)  # ADDRESS: one torchrun rank
     args = parser.parse_args()
     torch.set_num_threads(1)
     overrides = [
@@ -105,7 +121,15 @@ def main() -> None:
         f"sync.fragments={args.fragments}",
         f"sync.sync_every={args.fragments}",
         f"data.eval_batches={args.eval_batches}",
+        f"processes.ranks={args.ranks}",
+        f"train.parallel='{args.parallel}'",
     ]
+    if args.rank_child:  # one rank of the torchrun learner (the secret in its environment)
+        result = measure(overrides, args.rank_child, bytes.fromhex(os.environ[SECRET_ENV]),
+                         args.blocks, args.steps)  # fmt: skip
+        if int(os.environ.get("RANK", "0")) == 0:
+            print("RESULT " + json.dumps(result), flush=True)
+        return
     config = load_config(None, overrides)
     tmp = Path(tempfile.mkdtemp(prefix="ddiloco-bench-"))
     secret = os.urandom(32)
@@ -118,7 +142,9 @@ def main() -> None:
         daemon=True,
     ).start()
     try:
-        if args.ray:  # the learner in a Ray actor's worker, as `--runtime ray` runs it
+        if args.ranks > 1:  # the learner as torchrun ranks, as `processes.ranks` starts it
+            result = ranks_measure(args, address, secret)
+        elif args.ray:  # the learner in a Ray actor's worker, as `--runtime ray` runs it
             import ray
 
             ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
@@ -133,7 +159,8 @@ def main() -> None:
     off, on, inner, merged = result["off"], result["on"], result["inner"], result["merged"]
     m_off, m_on = statistics.median(off), statistics.median(on)
     print(
-        f"model {args.model}, batch {args.batch}, P = H = {args.fragments}, "
+        f"model {args.model}, batch {args.batch}, {args.ranks} rank(s) ({args.parallel}), "
+        f"P = H = {args.fragments}, "
         f"{len(off)} + {len(on)} steps, merged fragment versions {merged}, "
         f"syncer evaluations finished {len(evals)}"
     )
@@ -145,6 +172,22 @@ def main() -> None:
         f"step off {m_off * 1e3:.1f} ms (median), on {m_on * 1e3:.1f} ms: "
         f"ratio {m_on / m_off:.3f} (mean ratio {statistics.mean(on) / statistics.mean(off):.3f})"
     )
+
+
+def ranks_measure(args: argparse.Namespace, address: str, secret: bytes) -> dict[str, Any]:
+    """:func:`measure` on every rank of a torchrun learner; rank 0's result."""
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+            str(args.ranks), __file__, "--rank-child", address, "--model", args.model,
+            "--batch", str(args.batch), "--blocks", str(args.blocks), "--steps",
+            str(args.steps), "--fragments", str(args.fragments), "--eval-every",
+            str(args.eval_every), "--eval-batches", str(args.eval_batches), "--ranks",
+            str(args.ranks), "--parallel", args.parallel]  # fmt: skip
+    env = {**os.environ, SECRET_ENV: secret.hex(), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=3600)
+    for line in done.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT ") :])  # type: ignore[no-any-return]
+    raise SystemExit(f"the ranks failed ({done.returncode}):\n{done.stderr[-3000:]}")
 
 
 if __name__ == "__main__":

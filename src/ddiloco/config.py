@@ -25,6 +25,7 @@ METHODS = ("decoupled", "decoupled_sync", "streaming", "diloco", "data_parallel"
 OPTIMIZERS = ("adamw", "sgd")
 SCHEDULES = ("cosine", "linear", "constant")
 PRECISIONS = ("auto", "fp32", "bf16")
+PARALLELS = ("ddp", "fsdp")  # how a learner of several ranks spreads over them
 _HOST_NAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9.-]{0,251}[A-Za-z0-9])?\.?")  # processes.http_hosts
 
 
@@ -63,12 +64,36 @@ class TrainConfig:
     min_lr_ratio: float = 0.1
     precision: str = "auto"  # auto (bf16 autocast on CUDA that supports it), fp32, bf16
     checkpoint_every: int = 0  # tokens between checkpoints of the global model (0: at the end)
+    # "module:function": your own training loop (ddiloco.Learner) as every learner of a
+    # processes or Ray run; "": ddiloco's own loop (docs/own_loop.md)
+    entry: str = ""
+    # "module:function": function(model, batches) -> mean loss, the evaluation of the global
+    # model; "": ddiloco's (model(inputs, targets) -> (logits, loss), nats per token)
+    evaluate: str = ""
+    # how a learner of processes.ranks >= 2 spreads over its ranks: "ddp" (each rank holds
+    # the whole model, gradients averaged) or "fsdp" (FSDP2: each rank holds 1/R of the
+    # parameters, gradients and optimizer state)
+    parallel: str = "ddp"
 
     def __post_init__(self) -> None:
+        for name in ("entry", "evaluate"):
+            value = getattr(self, name)
+            module, _, function = value.partition(":")
+            require(
+                not value or bool(module and function),
+                f"train.{name}",
+                value,
+                "name your function as module:function (or leave it empty)",
+            )
         for name in ("learners", "batch_size", "tokens", "eval_every", "grad_accum"):
             require(getattr(self, name) >= 1, f"train.{name}", getattr(self, name), "must be >= 1")
         require(self.seq_len >= 0, "train.seq_len", self.seq_len, "must be >= 0 (0: the model's)")
-        choices = {"optimizer": OPTIMIZERS, "schedule": SCHEDULES, "precision": PRECISIONS}
+        choices = {
+            "optimizer": OPTIMIZERS,
+            "schedule": SCHEDULES,
+            "precision": PRECISIONS,
+            "parallel": PARALLELS,
+        }
         for name, known in choices.items():
             value = getattr(self, name)
             require(value in known, f"train.{name}", value, f"known: {', '.join(known)}")
@@ -323,6 +348,12 @@ class RunConfig:
             f"K must be <= train.learners ({self.train.learners})",
         )
         self._check_ports(slots)
+        require(
+            self.train.parallel != "fsdp" or self.processes.ranks >= 2,
+            "train.parallel",
+            self.train.parallel,
+            "shards a learner over its ranks: set processes.ranks >= 2",
+        )
 
     @property
     def proxied(self) -> bool:

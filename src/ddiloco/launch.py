@@ -32,7 +32,7 @@ from ddiloco.chaos.plan import ChaosEvent, ChaosGenerators, expand, load_plan, t
 from ddiloco.checkpoints.write import CheckpointWriter
 from ddiloco.config import WALL_CLOCK_RUNTIMES, RunConfig, load_config, to_toml
 from ddiloco.data.corpus import TokenSplits
-from ddiloco.errors import ConfigError
+from ddiloco.errors import ConfigError, require
 from ddiloco.methods import method_for
 from ddiloco.report.metrics import write_json
 from ddiloco.report.run_writer import RunWriter, finish
@@ -60,6 +60,44 @@ DEMO_CHAOS = (  # the demo's (the embedded default config's): a crash with peer 
     ChaosEvent(at=60.0, kind="crash", learner=1, duration=40.0),  # a straggler
     ChaosEvent(at=20.0, kind="slow", learner=3, duration=0.0, factor=1.3),  # to the end
 )
+
+
+def _fragment_processes_only(config: RunConfig, key: str, value: str, what: str) -> None:
+    """``key = value`` is for the fragment methods on learner processes: refuse the
+    simulated clock and the data-parallel baseline, saying ``what`` the option does."""
+    require(
+        config.runtime in WALL_CLOCK_RUNTIMES,
+        key,
+        value,
+        f"{what}: set runtime to one of {WALL_CLOCK_RUNTIMES}",
+    )
+    for name in config.methods:
+        require(
+            method_for(config, name).fragments,
+            "methods",
+            name,
+            f"{key} is for the fragment methods only ({what}); this baseline trains with "
+            f"ddiloco's own loop as a DDP job: drop it from methods, or unset {key}",
+        )
+
+
+def check_parallel(config: RunConfig) -> None:
+    """``train.parallel = "fsdp"`` shards the fragment methods' learner processes; the
+    simulated clock has no ranks, and the data-parallel baseline is a DDP job."""
+    if config.train.parallel != "ddp":
+        _fragment_processes_only(
+            config, "train.parallel", config.train.parallel, "it shards learner processes"
+        )
+
+
+def check_entry(config: RunConfig) -> None:
+    """``train.entry`` (a user's own loop as every learner) runs on learner processes, for the
+    fragment methods: the simulated clock and the data-parallel baseline train with ddiloco's
+    own loop, which would not be the user's."""
+    if config.train.entry:
+        _fragment_processes_only(
+            config, "train.entry", config.train.entry, "it runs your loop as learner processes"
+        )
 
 
 def train(
@@ -101,6 +139,8 @@ def train(
     out = Path(out or f"runs/{config.name}-{time.strftime('%Y%m%d-%H%M%S')}")
     torch.set_num_threads(max(1, min(torch.get_num_threads(), 2)))
     processes = config.runtime in WALL_CLOCK_RUNTIMES
+    check_entry(config)
+    check_parallel(config)
     if processes:  # refuse what cannot train before any process starts (or crash-loops)
         from ddiloco.runtime.processes.launcher import preflight
 

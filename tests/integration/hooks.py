@@ -70,3 +70,18 @@ def kill_syncer_then_stop(
                 launcher.request_stop()
 
     return hook, state
+
+
+def train_with_hook(config: Any, out: Any, hook: Any, monkeypatch: Any) -> Any:
+    """``ddiloco train``'s own path (run directory, summary), with ``hook`` on its launcher."""
+    import ddiloco.launch as command
+
+    real = command.process_job
+
+    def job(*args: Any, **kwargs: Any) -> Any:
+        launcher = real(*args, **kwargs)
+        launcher.hooks.append(hook)
+        return launcher
+
+    monkeypatch.setattr(command, "process_job", job)
+    return command.train(config, out, quiet=True)

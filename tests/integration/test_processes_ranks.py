@@ -9,6 +9,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -72,10 +74,11 @@ except RankGroupFailed as e:
 """
 
 
-def test_a_rank_waiting_on_a_frozen_peer_fails_within_seconds_of_sigterm(tmp_path):
-    # torchrun stops a group's surviving ranks with SIGTERM (and SIGKILL only 30 s later): a
-    # rank whose peer is frozen (its socket open: the backend sees no error) must still hear
-    # it, and fail, rather than hold its learner's slot and link for those 30 s
+@contextlib.contextmanager
+def two_ranks(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], dict[int, int]]]:
+    """torchrun running RANKS_AT_BOUNDARIES on 2 ranks (their output in ``tmp_path/out``):
+    the agent and each rank's pid once both are at their boundaries; every rank SIGKILLed
+    and the agent stopped after."""
     script = tmp_path / "ranks.py"
     script.write_text(RANKS_AT_BOUNDARIES)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
@@ -90,6 +93,21 @@ def test_a_rank_waiting_on_a_frozen_peer_fails_within_seconds_of_sigterm(tmp_pat
             pids = {r: int(p.read_text()) for r in (0, 1) if (p := tmp_path / f"rank{r}").exists()
                     and p.read_text()}  # fmt: skip
         assert len(pids) == 2, (tmp_path / "out").read_text()
+        yield agent, pids
+    finally:
+        for pid in pids.values():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        if agent.poll() is None:
+            agent.kill()
+        log.close()
+
+
+def test_a_rank_waiting_on_a_frozen_peer_fails_within_seconds_of_sigterm(tmp_path):
+    # torchrun stops a group's surviving ranks with SIGTERM (and SIGKILL only 30 s later): a
+    # rank whose peer is frozen (its socket open: the backend sees no error) must still hear
+    # it, and fail, rather than hold its learner's slot and link for those 30 s
+    with two_ranks(tmp_path) as (_, pids):
         time.sleep(1.0)  # both at their boundaries
         os.kill(pids[1], signal.SIGSTOP)
         time.sleep(0.5)
@@ -98,16 +116,38 @@ def test_a_rank_waiting_on_a_frozen_peer_fails_within_seconds_of_sigterm(tmp_pat
         while "FAILED" not in (tmp_path / "out").read_text() and time.monotonic() < sent + 25:
             time.sleep(0.1)  # (torchrun's own SIGKILL would come at 30 s)
         took = time.monotonic() - sent
-    finally:
-        for pid in pids.values():
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        if agent.poll() is None:
-            agent.kill()
-        log.close()
     out = (tmp_path / "out").read_text()
     assert (
         "FAILED rank 0 of 2: the boundary broadcast failed" in out
         or "FAILED rank 0 of 2: the merged fragment broadcast failed" in out
     ), out
     assert "after SIGTERM" in out and took < 15.0, (took, out)
+
+
+def test_ranks_whose_torchrun_agent_is_sigkilled_exit_within_seconds(tmp_path):
+    # a launcher SIGKILLed with its torchrun agents leaves their ranks orphaned: they must not
+    # wait in a collective (or a rendezvous) for gloo's 30-minute timeout
+    with two_ranks(tmp_path) as (agent, pids):
+        os.kill(pids[1], signal.SIGSTOP)  # rank 0 waits on it in a collective
+        agent.kill()
+        agent.wait()
+        gone = time.monotonic() + 10
+        while time.monotonic() < gone and alive(pids[0]):
+            time.sleep(0.1)
+        assert not alive(pids[0]), "rank 0 outlived its agent by 10 s"
+        os.kill(pids[1], signal.SIGCONT)
+        while time.monotonic() < gone + 5 and alive(pids[1]):
+            time.sleep(0.1)
+        assert not alive(pids[1]), "rank 1 outlived its agent"
+    assert "torchrun agent" in (tmp_path / "out").read_text()
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with contextlib.suppress(FileNotFoundError):  # a zombie (not reaped yet) is gone too
+        if Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] == "Z":
+            return False
+    return True

@@ -15,16 +15,16 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import psutil
 import pytest
 from bases import SMALL
-from hooks import kill_syncer_then_stop, stop_after_recovery
+from hooks import kill_syncer_then_stop, kill_then_stop, stop_after_recovery, train_with_hook
 from rundir import records
 
-from ddiloco import train
 from ddiloco.chaos.plan import ChaosEvent
 from ddiloco.config import RunConfig, load_config
 
@@ -129,8 +129,9 @@ class LocalCluster:
         return alive
 
 
-@pytest.fixture
-def cluster(tmp_path):
+@contextlib.contextmanager
+def two_nodes(tmp_path: Path) -> Iterator[LocalCluster]:
+    """A head (the syncer's resource) and a node "a" of 2 CPUs; every process stopped after."""
     c = LocalCluster(tmp_path)
     try:
         c.start("head", cpus=1, resources={"ddiloco_syncer": 1})
@@ -142,25 +143,16 @@ def cluster(tmp_path):
         assert not left, f"Ray processes left behind: {left}"
 
 
+@pytest.fixture
+def cluster(tmp_path):
+    with two_nodes(tmp_path) as c:
+        yield c
+
+
 def on_cluster(cluster: LocalCluster, overrides: list[str]) -> RunConfig:
     """A Ray run's config on ``cluster`` (ddiloco's own sockets on loopback)."""
     ray_at = ["runtime='ray'", f"ray.address='{cluster.address}'", "ray.service_host='127.0.0.1'"]
     return load_config(None, [*overrides, *ray_at])  # (after the bases: they name a runtime)
-
-
-def train_with_hook(config: RunConfig, out: Path, hook: Any, monkeypatch: Any) -> Any:
-    """``ddiloco train``'s own path (run directory, summary), with ``hook`` on its launcher."""
-    import ddiloco.launch as command
-
-    real = command.process_job
-
-    def job(*args: Any, **kwargs: Any) -> Any:
-        launcher = real(*args, **kwargs)
-        launcher.hooks.append(hook)
-        return launcher
-
-    monkeypatch.setattr(command, "process_job", job)
-    return train(config, out, quiet=True)
 
 
 def test_a_ray_run_survives_a_killed_and_a_frozen_learner_and_nodes_coming_and_going(
@@ -302,13 +294,17 @@ def test_a_warm_spare_actor_takes_a_killed_learners_slot(tmp_path, cluster):
     assert not [r for r in rs if r["kind"] == "exited" and r["process"].startswith("spare")]
 
 
-def test_a_learner_of_two_ranks_is_a_placement_group_that_restarts_whole(tmp_path, cluster):
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_a_learner_of_two_ranks_is_a_placement_group_that_restarts_whole(
+    tmp_path, cluster, parallel
+):
     config = on_cluster(
         cluster,
         [
             *SMALL,
             "ray.learner_cpus=0.5",  # 2 learners x 2 ranks on node a's 2 CPUs
             "processes.ranks=2",
+            f"train.parallel='{parallel}'",  # fsdp: each rank actor holds half the model
             "train.batch_size=2",
             "train.warmup_steps=20",
             "train.tokens=10000000",
@@ -338,6 +334,8 @@ def test_a_learner_of_two_ranks_is_a_placement_group_that_restarts_whole(tmp_pat
     assert len(starts) == 2 and all(r["ranks"] == 2 for r in starts), starts
     assert starts[1]["pid"] != starts[0]["pid"]
     assert state["recovered"]["step"] > 0, events
+    if parallel == "fsdp":  # each rank actor copied the same rank of learner 1
+        assert state["recovered"]["peer"] == 1 and state["recovered"]["ranks"] == 2, events
     done = launcher.learner_done
     assert sorted(done) == [0, 1], events
     for record in done.values():  # every rank trained, merges reached every rank
@@ -436,3 +434,43 @@ def test_link_faults_on_ray_go_through_a_proxy_actor_that_outlives_its_own_crash
     ledger = {k: v for k, v in summary.items() if "ledger" in k or k.startswith("tokens")}
     ledger["contradictions"] = summary.get("ledger_contradictions")
     assert summary["ledger_balanced"] and summary["ledger_errors"] == 0, ledger
+
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+def test_an_own_loop_runs_as_ray_actors_and_a_crashed_one_copies_its_peer(tmp_path, monkeypatch):
+    """``train.entry`` on Ray: examples/own_loop.py's loop in every learner actor (the
+    nodes started with the examples on their PYTHONPATH, as a user's cluster has their
+    code), learner 1 crashed mid-run: its actor restarts and copies learner 0."""
+    monkeypatch.syspath_prepend(str(EXAMPLES))  # the launcher's pre-flight imports it
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(EXAMPLES), *sys.path]))
+    sets = [
+        "model='own_loop:build_model'",
+        "train.entry='own_loop:main'",
+        "train.evaluate='own_loop:evaluate'",
+        "methods=['decoupled']",
+        "ray.learner_cpus=0.5",
+        "train.learners=2",
+        "train.batch_size=8",
+        "train.seq_len=64",
+        "train.tokens=10000000",
+        "train.eval_every=1000000",
+        "sync.fragments=3",
+        "sync.sync_every=6",
+        "data.eval_batches=2",
+        "processes.detect_seconds=5.0",
+        "processes.max_wall_seconds=200",
+    ]
+    with two_nodes(tmp_path) as c:
+        hook, state = kill_then_stop(1, down=0.5, steps=40, rounds=3)
+        rs: list[dict[str, Any]] = []
+        config = on_cluster(c, sets)
+        launcher = RayLauncher(config, "decoupled", tmp_path / "run", rs.append, hooks=[hook])
+        summary = launcher.run()
+        sys.modules.pop("own_loop", None)
+    events = [r for r in rs if r["kind"] not in ("step", "round")]
+    assert state["recovered"]["peer"] == 0 and state["recovered"]["bytes"] > 0, events
+    assert summary["ledger_balanced"] and summary["ledger_errors"] == 0
+    evals = [r["loss"] for r in rs if r["kind"] == "eval"]
+    assert evals[-1] < evals[0] - 1.0, evals

@@ -6,8 +6,15 @@ import time
 
 import zmq
 
-from ddiloco.runtime.processes.transport.auth import Bounds, Gatekeeper, credential, learner_of
-from ddiloco.runtime.processes.transport.tickets import TicketBook, make_ticket
+from ddiloco.runtime.processes.transport.auth import (
+    Bounds,
+    Gatekeeper,
+    credential,
+    learner_of,
+    link_name,
+    link_of,
+)
+from ddiloco.runtime.processes.transport.tickets import TicketBook, make_ticket, parse_ticket
 
 SECRET = b"g" * 32
 WALL = 1_800_000_000.0  # the wall clock the tickets are made and checked on
@@ -229,3 +236,17 @@ def _raised(fn, *args) -> BaseException | None:
     except BaseException as exc:  # handed to the test's thread
         return exc
     return None
+
+
+def test_a_link_name_says_its_learner_and_rank_and_survives_a_ticket():
+    """Rank r >= 1 of a sharded learner authenticates as ``L<m>r<r>``; the ticket's fields
+    are dot-separated, so the name must hold no dot (``L1.1`` once made every rank link's
+    handshake fail)."""
+    for m, r in [(0, 0), (3, 0), (3, 1), (12, 7)]:
+        name = link_name(m, r)
+        assert link_of(name) == (m, r)
+        assert parse_ticket(make_ticket(name)) is not None
+        assert parse_ticket(make_ticket(name))[0] == name
+    assert learner_of("L3r1") is None  # not the learner's own link
+    for bad in ("L3r0", "L3.1", "L3r", "Lr1", "S", "L3r01", "L1234567r1", None):
+        assert link_of(bad) is None, bad

@@ -640,3 +640,18 @@ def test_sigusr1_to_the_syncer_container_ends_the_run_and_leaves_it_idle(tmp_pat
     assert flag(argv, "--store") == "/var/lib/ddiloco/store"
     assert (Path(env["FAKE_REC"]) / "signals").read_text() == "TERM\n"  # a clean stop
     assert (Path(env["FAKE_REC"]) / "sleep").read_text() == "infinity\n"  # then idle
+
+
+def test_a_sharded_learners_ranks_each_get_a_peer_port_on_both_engines():
+    # rank r of a sharded learner serves its rows on its --peer-port + r: SLURM spaces the
+    # learners R ports apart (two may share a node), Kubernetes opens all R on the pod
+    sets = ("processes.ranks=2", "train.parallel='fsdp'")
+    slurm = files_for("slurm", sets=sets)
+    ports = [re.search(r"--peer-port['\" ]+(\d+)", slurm[f"learner-{m}.sbatch"]) for m in (0, 1, 2)]
+    assert [int(found[1]) for found in ports if found] == [5600, 5602, 5604]
+    assert "5600-5605" in slurm["README.md"] and "rank r of a sharded learner" in slurm["README.md"]
+    learners = by_kind(files_for("kubernetes", sets=sets))[("StatefulSet", "exp42-learner")]
+    box = learners["spec"]["template"]["spec"]["containers"][0]
+    assert [p["containerPort"] for p in box["ports"]] == [5600, 5601]
+    ddp = files_for("slurm", sets=("processes.ranks=2",))  # (a DDP learner: rank 0's only)
+    assert "5600-5602" in ddp["README.md"]

@@ -44,10 +44,11 @@ def test_a_fault_played_while_the_proxy_starts_is_sent_once_it_is_up():
     faults.play(ChaosEvent(0.0, "link_cut", 1, duration=30.0))
     assert lives[0].heard() == []  # not up yet: nothing on its pipe
     faults.up()
-    (cut,) = lives[0].heard()
+    cut, opened = lives[0].heard()  # what is left of the cut, then it may forward
     assert cut["link"] == 1 and 29.0 < cut["cut_seconds"] <= 30.0
+    assert opened == {"open": True}
     faults.play(ChaosEvent(0.0, "link_slow", 0, factor=4.0))
-    assert lives[0].heard()[1] == {"link": 0, "factor": 4.0, "seconds": 0.0}  # up: at once
+    assert lives[0].heard()[2] == {"link": 0, "factor": 4.0, "seconds": 0.0}  # up: at once
 
 
 def test_a_restarted_proxy_hears_what_is_left_of_each_fault_once_up():
@@ -62,7 +63,8 @@ def test_a_restarted_proxy_hears_what_is_left_of_each_fault_once_up():
     faults.start()
     faults.play(ChaosEvent(0.0, "link_slow", 3, factor=2.0, duration=60.0))  # while it starts
     faults.up()
-    heard = lives[1].heard()
+    *heard, opened = lives[1].heard()
+    assert opened == {"open": True}  # (after the faults: nothing slips through before them)
     assert [c["link"] for c in heard] == [1, 2, 3]
     assert 29.0 < heard[0]["cut_seconds"] < 30.0
     assert heard[1] == {"link": 2, "factor": 8.0, "seconds": 0.0}

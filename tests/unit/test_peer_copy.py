@@ -333,7 +333,7 @@ def test_the_nearest_donor_is_tried_first_and_equals_keep_the_syncers_order():
 def test_a_donor_claiming_fragment_versions_the_syncer_never_made_is_refused_for_the_next(
     caplog,
 ):
-    from ddiloco.runtime.processes.learner.process import snapshot_refusal
+    from ddiloco.runtime.processes.learner.engine import snapshot_refusal
 
     liar, honest = state(1, 1), state(1, 2)
     liar["sync"]["versions"] = (3, 1004)  # +1000: every answer it made would be invalid
@@ -359,7 +359,7 @@ def test_a_donor_claiming_fragment_versions_the_syncer_never_made_is_refused_for
 
 
 def test_a_snapshot_is_checked_against_the_plan_and_the_syncers_versions():
-    from ddiloco.runtime.processes.learner.process import snapshot_refusal
+    from ddiloco.runtime.processes.learner.engine import snapshot_refusal
 
     assert snapshot_refusal({"sync": {"versions": [3, 4]}}, [3, 4], 2) is None
     assert snapshot_refusal({"sync": {"versions": [2, 0]}}, [3, 4], 2) is None  # behind: fine

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
 import socket
 import threading
 import time
+from collections.abc import Iterator
 
 import pytest
 import zmq
@@ -14,6 +16,7 @@ from ddiloco.errors import ConfigError
 from ddiloco.runtime.processes.transport.auth import Gatekeeper, present, serve_plain
 from ddiloco.runtime.processes.transport.proxy import (
     DOWN,
+    OPEN,
     UP,
     FaultProxy,
     Faults,
@@ -88,6 +91,7 @@ def test_the_same_seed_makes_the_same_decisions():
         ('{"link": 0, "cut_seconds": 0}', LinkCommand(0, cut_seconds=0.0)),
         (b'{"link": 1, "factor": 4, "seconds": 0}', LinkCommand(1, factor=4.0, seconds=0.0)),
         (b'{"factor": 0.5, "link": 3}', LinkCommand(3, factor=0.5, seconds=0.0)),
+        (b'{"open": true}', OPEN),
     ],
 )
 def test_a_good_link_command_is_parsed(line, expected):
@@ -114,6 +118,8 @@ def test_a_good_link_command_is_parsed(line, expected):
         (b'{"link": 1, "factor": false}', "'factor'"),
         (b'{"link": 1, "factor": 2, "cut_seconds": 1}', "expected keys"),
         (b'{"link": 1, "seconds": 2}', "expected keys"),
+        (b'{"open": false}', "'link'"),
+        (b'{"open": true, "link": 1}', "expected keys"),
         (b'{"link": 1, "cut_seconds": 1, "exec": "rm"}', "expected keys"),
         (b"\xff\xfe", "utf-8"),
         (b'{"link": 1, "cut_seconds": 1, "pad": "' + b"x" * 2000 + b'"}', "longer than"),
@@ -206,7 +212,10 @@ def _recv(sock: zmq.Socket, timeout: float, routes: dict | None = None) -> list[
     return None
 
 
-def test_the_proxy_holds_a_cut_learners_traffic_on_loopback_and_lets_the_others_through():
+@contextlib.contextmanager
+def _rig(held: bool = False) -> Iterator[tuple[FaultProxy, zmq.Socket, dict, dict]]:
+    """A syncer socket, a serving proxy in front of it and learners 0 and 1 dialing it:
+    (proxy, syncer, learners, routes)."""
     ctx = zmq.Context()
     gate = Gatekeeper(ctx, SECRET, "r", lambda name: True)
     gate.start()
@@ -217,8 +226,7 @@ def test_the_proxy_holds_a_cut_learners_traffic_on_loopback_and_lets_the_others_
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         listen = f"127.0.0.1:{s.getsockname()[1]}"
-    proxy = FaultProxy(listen, f"127.0.0.1:{port}", Faults(), seed=1, **AUTH)
-    routes: dict[str, bytes] = {}
+    proxy = FaultProxy(listen, f"127.0.0.1:{port}", Faults(), seed=1, held=held, **AUTH)
     thread = threading.Thread(target=proxy.serve, daemon=True)
     thread.start()
     learners = {}
@@ -229,6 +237,18 @@ def test_the_proxy_holds_a_cut_learners_traffic_on_loopback_and_lets_the_others_
             present(sock, SECRET, "r", f"L{m}")
             sock.connect(f"tcp://{listen}")
             learners[m] = sock
+        yield proxy, syncer, learners, {}
+    finally:
+        proxy.stop.set()
+        thread.join(timeout=5.0)
+        for sock in (syncer, *learners.values()):
+            sock.close(0)
+        gate.close()
+        ctx.term()
+
+
+def test_the_proxy_holds_a_cut_learners_traffic_on_loopback_and_lets_the_others_through():
+    with _rig() as (proxy, syncer, learners, routes):
         learners[1].send_multipart([b"hello"])  # both connected before the cut
         assert _recv(syncer, 5.0, routes) == [b"L1", b"hello"]
         proxy.commands.put(LinkCommand(1, cut_seconds=1.0))
@@ -245,10 +265,19 @@ def test_the_proxy_holds_a_cut_learners_traffic_on_loopback_and_lets_the_others_
         assert _recv(syncer, 1.0, routes) == [b"L1", b"two"]
         assert _recv(learners[1], 1.0) == [b"down"]  # the syncer -> learner way too
         assert proxy.counts["held"] == 3 and proxy.counts["link_cut"] == 1
-    finally:
-        proxy.stop.set()
-        thread.join(timeout=5.0)
-        for sock in (syncer, *learners.values()):
-            sock.close(0)
-        gate.close()
-        ctx.term()
+
+
+def test_a_held_proxy_forwards_nothing_before_open_so_a_replayed_cut_is_never_slipped():
+    """A restarted proxy (``--control``) hears what is left of a cut before it opens: a cut
+    learner that dials it at once is still held; the others pass from the open on."""
+    with _rig(held=True) as (proxy, syncer, learners, routes):
+        learners[1].send_multipart([b"early"])  # dialed the restarted proxy at once
+        learners[0].send_multipart([b"zero"])
+        assert _recv(syncer, 0.5, routes) is None  # held: nothing forwarded yet
+        proxy.commands.put(LinkCommand(1, cut_seconds=1.0))  # what is left of the cut
+        proxy.commands.put(parse_command(b'{"open": true}'))
+        opened = time.monotonic()
+        assert _recv(syncer, 2.0, routes) == [b"L0", b"zero"]
+        assert _recv(syncer, 0.5, routes) is None  # learner 1 is cut
+        assert _recv(syncer, 2.0, routes) == [b"L1", b"early"]
+        assert time.monotonic() - opened >= 0.9

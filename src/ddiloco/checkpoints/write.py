@@ -58,7 +58,7 @@ from ddiloco.data.info import bits_per_byte
 from ddiloco.data.tokenizer import Tokenizer, tokenizer_for, transformers_files
 from ddiloco.models.gpt import GPT
 from ddiloco.models.hf import HFCausalLM
-from ddiloco.trainer import evaluate, model_context
+from ddiloco.trainer import model_context
 
 if TYPE_CHECKING:
     from ddiloco.runtime.run import RunSetup
@@ -257,7 +257,7 @@ class CheckpointWriter:
         known."""
         started = time.perf_counter()
         if eval_loss is None:
-            eval_loss = evaluate(model, self.setup.eval_batches)
+            eval_loss = self.setup.evaluate(model)
         if self.tokenizer is None:
             self.tokenizer = tokenizer_for(self.config.data.source)
         step = self.step_of(tokens)

@@ -37,7 +37,6 @@ from ddiloco.errors import ConfigError
 from ddiloco.models.gpt import GPT_CONFIGS
 from ddiloco.models.hf import is_hf
 from ddiloco.runtime.layout import run_secret
-from ddiloco.trainer import evaluate
 
 if TYPE_CHECKING:
     from ddiloco.runtime.processes.recover import Recovered
@@ -214,7 +213,7 @@ def run(args: argparse.Namespace) -> int:
             method=source.method,
             step=step_of(rec),
             tokens=rec.tokens,
-            eval_loss=evaluate(rec.model, rec.setup.eval_batches),
+            eval_loss=rec.setup.evaluate(rec.model),
         )
         origin = f"{rec.source} (the processes' state)"
     manifest = verify(out)

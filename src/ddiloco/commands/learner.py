@@ -7,12 +7,15 @@ want the same port; else a free one), tells peers to dial ``--peer-host``, and t
 until the syncer says stop. ``--join`` first copies a healthy peer's state (a restart, or
 scavenged compute arriving at any time); ``--resume`` starts from this learner's newest local
 checkpoint in ``--state-dir`` (a resumed run); ``--leave-after SECONDS`` goes away cleanly
-(SIGTERM does too).
+(SIGTERM does too). ``--entry module:function`` (or the config's ``train.entry``) runs the
+user's own training loop instead of ddiloco's: the function makes a ``ddiloco.Learner``,
+which reads these arguments from the environment this command sets (own_loop.py's ENV).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import re
 import threading
@@ -71,6 +74,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="start from the newest local checkpoint in --state-dir (else as --join)",
     )
+    parser.add_argument(
+        "--entry",
+        metavar="MODULE:FUNCTION",
+        help="run your own training loop (it makes a ddiloco.Learner) instead of ddiloco's "
+        "(default: the config's train.entry)",
+    )
     add_common(parser)
 
 
@@ -91,19 +100,50 @@ def run(args: argparse.Namespace) -> int:
     parse_address(args.syncer, "--syncer")
     config = load_config(args.config, list(args.set))
     torch.set_num_threads(config.processes.threads)  # before the model and data are built
-    setup = RunSetup(config, args.method)
+    entry = args.entry or config.train.entry
+    if entry:  # the user's function is found (or refused) before anything is built
+        from ddiloco.runtime.processes.learner.own_loop import resolve_entry
+
+        resolve_entry(entry, "--entry" if args.entry else "train.entry")
+    setup = None if entry else RunSetup(config, args.method)  # (the user's Learner builds it)
     if args.spare and not take_over(args, setup):
         return 0  # the launcher went away, or stopped the run: nothing to take over
-    require(0 <= args.id < setup.slots, "--id", args.id, f"slots are 0..{setup.slots - 1}")
+    slots = config.train.learners + config.train.scavenged
+    require(0 <= args.id < slots, "--id", args.id, f"slots are 0..{slots - 1}")
     require(args.leave_after >= 0, "--leave-after", args.leave_after, "must be >= 0")
     peer_port = args.peer_port
     if peer_port is None:  # the config's port is the first learner's, as under ddiloco train:
         fixed = config.processes.peer_port  # learners of one host never want the same one
         peer_port = fixed + args.id if fixed else 0
     require(0 <= peer_port <= 65535, "--peer-port", peer_port, "must be in 0..65535 (0: any)")
+    state_dir = Path(args.state_dir or f"runs/{config.name}-learner-{args.id}")
+    t0 = args.t0 if args.t0 is not None else time.time()
+    if entry:
+        from ddiloco.runtime.processes.learner.own_loop import run_entry
+
+        env = {
+            "syncer": args.syncer,
+            "learner": args.id,
+            "config": args.config or "",
+            "set": json.dumps(list(args.set)),
+            "secret_file": args.secret_file or "",
+            "run_id": args.run_id or config.name,
+            "method": args.method,
+            "join": int(args.join),
+            "resume": int(args.resume),
+            "state_dir": state_dir,
+            "peer_host": args.peer_host,
+            "peer_port": peer_port,
+            "peer_bind": args.peer_bind or "",
+            "leave_after": args.leave_after,
+            "max_steps": args.max_steps,
+            "t0": t0,
+        }
+        return run_entry(entry, env)
+    assert setup is not None
     every = config.report.progress_seconds
     sink = terminal_sink(config.train.tokens, every, args.method)  # (a person: lines)
-    events = Events(args.t0 if args.t0 is not None else time.time(), sink=sink)
+    events = Events(t0, sink=sink)
     process = LearnerProcess(
         setup,
         args.id,
@@ -117,7 +157,7 @@ def run(args: argparse.Namespace) -> int:
         peer_port=peer_port,
         peer_bind=args.peer_bind,
         max_steps=args.max_steps,
-        state_dir=Path(args.state_dir or f"runs/{config.name}-learner-{args.id}"),
+        state_dir=state_dir,
         resume=args.resume,
     )
     try:
@@ -144,7 +184,8 @@ def take_over(args: argparse.Namespace, setup: Any) -> bool:
 
     import torch
 
-    setup.splits  # noqa: B018  (read now, not after the slot is named)
+    if setup is not None:  # (an own loop reads its own data)
+        setup.splits  # noqa: B018  (read now, not after the slot is named)
     torch.optim.AdamW([torch.zeros(1, requires_grad=True)])  # its first one imports dynamo: 2 s
     Events(args.t0 if args.t0 is not None else time.time())("spare_ready", pid=os.getpid())
     line = sys.stdin.readline()
@@ -158,7 +199,6 @@ def take_over(args: argparse.Namespace, setup: Any) -> bool:
         os.environ["CUDA_VISIBLE_DEVICES"] = str(order["gpus"])
     for handler in logging.getLogger().handlers:
         handler.setFormatter(Who(args.id))
-    require(0 <= args.id < setup.slots, "id", args.id, f"slots are 0..{setup.slots - 1}")
     return True
 
 

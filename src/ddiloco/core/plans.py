@@ -208,6 +208,17 @@ class FragmentPlan:
             raise ConfigError("name", name, "not a tensor of this plan")
         return self._spec_by_name[name]
 
+    def shapes(self) -> list[list[tuple[int, ...]]]:
+        """The shape of each slice of each fragment: a fragment's values' shapes."""
+        out = []
+        for f in self.fragments:
+            shapes = []
+            for s in f.slices:
+                shape = self.spec(s.name).shape
+                shapes.append(shape if s.rows is None else (s.rows[1] - s.rows[0], *shape[1:]))
+            out.append(shapes)
+        return out
+
     def due(self, step: int) -> tuple[int, ...]:
         """Fragment indices to synchronize at global step ``step`` (ascending)."""
         require(_is_int(step) and step >= 0, "step", step, "must be a non-negative int")

@@ -85,10 +85,17 @@ class Plan:
     ranks: int  # data-parallel ranks per learner (processes.ranks)
     nodes: int  # nodes per learner
     gpus: int  # GPUs per learner (all its nodes together)
+    sharded: bool = False  # train.parallel = "fsdp": every rank serves its rows to newcomers
 
     @property
     def ranks_per_node(self) -> int:
         return self.ranks // self.nodes
+
+    @property
+    def peer_ports(self) -> int:
+        """Ports one learner serves peer recovery on: one a rank when sharded (rank r on
+        its ``--peer-port`` + r), else one (rank 0's)."""
+        return self.ranks if self.sharded else 1
 
 
 def plan(config: RunConfig, options: DeployOptions, one_node: str = "") -> Plan:
@@ -118,7 +125,8 @@ def plan(config: RunConfig, options: DeployOptions, one_node: str = "") -> Plan:
         f"train.device is {config.train.device!r}: set train.device = 'cuda' to use GPUs",
     )
     require(gpus % nodes == 0, "--gpus-per-learner", gpus, f"must be a multiple of {nodes} nodes")
-    return Plan(config.train.learners, port, peer_port, ranks, nodes, gpus)
+    sharded = config.train.parallel == "fsdp"
+    return Plan(config.train.learners, port, peer_port, ranks, nodes, gpus, sharded)
 
 
 def dns_name(run_id: str) -> str:

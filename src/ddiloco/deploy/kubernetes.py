@@ -197,10 +197,14 @@ touch "$DDILOCO_STARTED"
 def learner_objects(name: str, options: DeployOptions, p: Plan) -> list[dict[str, Any]]:
     """A headless Service (the pods' DNS names) and the learners' StatefulSet."""
     meta = labels(name, "learner")
-    peer = {"name": "peer", "port": p.peer_port, "targetPort": p.peer_port, "protocol": "TCP"}
-    headless = _service(f"{name}-learner", options, meta, [peer], headless=True)
+    ports = [p.peer_port + r for r in range(p.peer_ports)]  # a sharded learner's: one a rank
+    names = ["peer"] if len(ports) == 1 else [f"peer-{r}" for r in range(len(ports))]
+    peers = [{"name": n, "port": q, "targetPort": q, "protocol": "TCP"}
+             for n, q in zip(names, ports, strict=True)]  # fmt: skip
+    headless = _service(f"{name}-learner", options, meta, peers, headless=True)
     box = container("learner", options, learner_script(name, options, p))
-    box["ports"] = [{"name": "peer", "containerPort": p.peer_port, "protocol": "TCP"}]
+    box["ports"] = [{"name": n, "containerPort": q, "protocol": "TCP"}
+                    for n, q in zip(names, ports, strict=True)]  # fmt: skip
     box["env"] = [
         {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
         {"name": "DDILOCO_STARTED", "value": STARTED},

@@ -47,7 +47,7 @@ def generate(config: RunConfig, options: DeployOptions) -> dict[str, str]:
     """``syncer.sbatch``, ``learner-<m>.sbatch`` for every learner, ``submit.sh``, README."""
     require(bool(options.home), "--out", options.home, "needs the absolute output directory")
     p = plan(config, options)
-    last = p.peer_port + p.learners - 1  # learner m listens on peer_port + m
+    last = p.peer_port + p.learners * p.peer_ports - 1  # learner m: peer_port + m (x ranks)
     require(
         last <= 65535 and not p.peer_port <= p.port <= last,
         "--peer-port",
@@ -142,7 +142,7 @@ def learner_script(config: RunConfig, options: DeployOptions, p: Plan, m: int) -
     common = [
         *["learner", "--syncer", Raw('"$syncer"'), "--id", str(m)],
         *["--state-dir", f"state/learner-{m}", "--peer-host", Raw(ADVERTISE)],
-        *learner_args(CONFIG_FILE, options, _secret(options), p.peer_port + m),
+        *learner_args(CONFIG_FILE, options, _secret(options), p.peer_port + m * p.peer_ports),
     ]
     node = ""
     if p.nodes > 1:  # every node runs torchrun; their rendezvous is on the first node
@@ -223,6 +223,7 @@ cat jobs.txt
 def readme(config: RunConfig, options: DeployOptions, p: Plan) -> str:
     home, run = options.home, options.run_id
     gpus = f"`--gres=gpu:{p.gpus // p.nodes}` per node" if p.gpus else "no GPUs"
+    each = f" x {p.ranks}, rank r of a sharded learner on that + r" if p.sharded else ""
     extra = ""
     if config.chaos:
         extra += "\nThe config's `[[chaos]]` events are played only by `ddiloco train`: not here.\n"
@@ -260,7 +261,8 @@ stop; their jobs then end by themselves. A learner whose node fails is requeued 
 with `--join` (`SLURM_RESTART_COUNT` > 0); a crashed process is restarted in its job (up to
 `processes.max_restarts`); exit 78 is never restarted. The syncer, restarted or requeued,
 resumes from its store. Ports to open between nodes: {p.port} (syncer) and
-{p.peer_port}-{p.peer_port + p.learners - 1} (learner m's peer recovery on {p.peer_port} + m,
+{p.peer_port}-{p.peer_port + p.learners * p.peer_ports - 1} (learner m's peer recovery on
+{p.peer_port} + m{each},
 so that learners sharing a node never want the same port). The address others dial is each
 node's `$(hostname)`; to use another, export a command that prints it before `submit.sh`, e.g.
 `export DDILOCO_HOST_COMMAND="hostname -I | cut -d' ' -f1"` (the jobs inherit it).

@@ -11,7 +11,6 @@ the data and the sequence length.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import inspect
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -20,6 +19,7 @@ from torch import nn
 
 from ddiloco.data.info import vocab_size
 from ddiloco.errors import ConfigError
+from ddiloco.imports import find_callable
 from ddiloco.models.gpt import GPT, GPT_CONFIGS, GPTConfig
 from ddiloco.models.hf import build_hf, is_hf
 
@@ -41,14 +41,7 @@ def build_model(name: str = DEFAULT_MODEL, config: RunConfig | None = None) -> n
         raise ConfigError(
             "model", name, f"unknown model; use one of {known}, hf:PATH or module:function"
         )
-    module_name, _, attr = name.partition(":")
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ConfigError("model", name, f"cannot import module {module_name!r}: {exc}") from exc
-    factory = getattr(module, attr, None)
-    if factory is None or not callable(factory):
-        raise ConfigError("model", name, f"{module_name} has no callable {attr!r}")
+    factory = find_callable(name, "model")
     if _wants_config(name, factory):
         if config is None:
             from ddiloco.config import RunConfig

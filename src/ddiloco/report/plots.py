@@ -184,7 +184,7 @@ def train_loss_curves(
             for key in [k for k in last_step if k[0] == r["method"]]:
                 del last_step[key]  # (the next step does not follow on: a break)
             continue
-        if r["kind"] != "step":
+        if r["kind"] != "step" or r.get("loss") is None:  # (an own loop may not say its loss)
             continue
         key, loss = (r["method"], r["learner"]), float(r["loss"])
         points = curves[key]

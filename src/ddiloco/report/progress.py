@@ -159,6 +159,8 @@ class Progress:
         self.steps[m] = r["step"]
         self.counted += int(r.get("batch_tokens", 0))
         self._count()
+        if r.get("loss") is None:  # (an own loop may not say its loss)
+            return
         loss = float(r["loss"])
         self.loss = loss if self.loss is None else (1 - LOSS_EMA) * self.loss + LOSS_EMA * loss
 

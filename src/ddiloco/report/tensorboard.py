@@ -60,6 +60,7 @@ class ScalarView:
             self.method = method
             self.tokens = 0
             self.losses: list[float] = []
+            self.window_steps = 0
             self.window_start: tuple[float, int] | None = None  # (t, tokens)
             self.bytes_since, self.bytes_t = 0, 0.0
             self.states = Progress(1, stream=io.StringIO(), quiet=True, every=0.0)
@@ -83,16 +84,18 @@ class ScalarView:
         if self.window_start is None:
             self.window_start = (t, self.tokens)
         self.tokens += int(r.get("batch_tokens", 0))
-        self.losses.append(float(r["loss"]))
-        if len(self.losses) < STEPS_PER_POINT:
+        if r.get("loss") is not None:  # (an own loop may not say its loss)
+            self.losses.append(float(r["loss"]))
+        self.window_steps += 1
+        if self.window_steps < STEPS_PER_POINT:
             return
-        writer.add_scalar(
-            "loss_metrics/global_avg_loss", sum(self.losses) / len(self.losses), self.tokens
-        )
+        if self.losses:
+            mean = sum(self.losses) / len(self.losses)
+            writer.add_scalar("loss_metrics/global_avg_loss", mean, self.tokens)
         t0, tokens0 = self.window_start
         if t > t0:
             writer.add_scalar("throughput(tps)", (self.tokens - tokens0) / (t - t0), self.tokens)
-        self.losses, self.window_start = [], (t, self.tokens)
+        self.losses, self.window_start, self.window_steps = [], (t, self.tokens), 0
 
     def _round(self, writer: Any, r: dict[str, Any], t: float) -> None:
         writer.add_scalar("sync/round_close_ms", 1000.0 * (t - r["opened_at"]), self.tokens)

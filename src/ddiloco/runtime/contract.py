@@ -33,7 +33,7 @@ from ddiloco.data.corpus import BatchStream, TokenShard, load_documents
 from ddiloco.data.info import BYTE_VOCAB, vocab_size
 from ddiloco.errors import ConfigError, DDiLoCoError
 from ddiloco.runtime.run import RunSetup
-from ddiloco.trainer import CONTEXT_FIELDS, evaluate, model_context, pick_device, uses_bf16
+from ddiloco.trainer import CONTEXT_FIELDS, model_context, pick_device, uses_bf16
 
 CHECK_BATCH = 2  # sequences in the checked training batch
 
@@ -68,13 +68,25 @@ def check_contract(setup: RunSetup) -> None:
     evals = setup.eval_batches  # raises when the eval split is shorter than one sequence
     stream = BatchStream(shards[0], CHECK_BATCH, setup.seq_len, config.seed)
     model = setup.model.to(device)
-    _train_step(setup, model, *stream.next(), device, amp, vocab)
+    if not config.train.entry:  # (an own loop trains the model its own way: not checked)
+        _train_step(setup, model, *stream.next(), device, amp, vocab)
+    field, spec = ("train.evaluate", config.train.evaluate) if config.train.evaluate else (
+        "model", name)  # fmt: skip
     try:
-        loss = evaluate(model, evals[:1])
+        loss = setup.evaluate(model, evals[:1])
+    except DDiLoCoError:
+        raise
     except Exception as exc:
-        raise ConfigError("model", name, f"evaluation raised {_what(exc)}") from exc
+        hint = ""
+        if config.train.entry and not config.train.evaluate:
+            hint = (
+                ": the syncer evaluates the global model as model(inputs, targets) -> "
+                "(logits, loss); name your own evaluation as train.evaluate = "
+                "'module:function' (function(model, batches) -> mean loss)"
+            )
+        raise ConfigError(field, spec, f"evaluation raised {_what(exc)}{hint}") from exc
     if not math.isfinite(loss):
-        raise ConfigError("model", name, f"evaluation loss is {loss} at initialization")
+        raise ConfigError(field, spec, f"evaluation loss is {loss} at initialization")
 
 
 def check_device(spec: str) -> torch.device:

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import Any
 
 import torch
 from torch import nn
@@ -21,6 +22,8 @@ from ddiloco.config import RunConfig
 from ddiloco.core.fragments import scatter
 from ddiloco.core.plans import FragmentPlan
 from ddiloco.data.corpus import TokenSplits, eval_batches, split_corpus
+from ddiloco.errors import ConfigError
+from ddiloco.imports import find_callable
 from ddiloco.methods import Method, method_for
 from ddiloco.models.embeddings import embedding_names
 from ddiloco.models.registry import build_model
@@ -115,7 +118,26 @@ class RunSetup:
         params = dict(model.named_parameters())
         for p, values in enumerate(fragments):
             scatter(self.plan, p, params, values)
-        return evaluate(model, self.eval_batches)
+        return self.evaluate(model)
+
+    def evaluate(self, model: nn.Module, batches: Batches | None = None) -> float:
+        """The run's evaluation of ``model`` on ``batches`` (default: the eval set): the
+        user's ``train.evaluate`` (``function(model, batches) -> mean loss``) when named,
+        else ddiloco's (``model(inputs, targets) -> (logits, loss)``, nats per token)."""
+        batches = self.eval_batches if batches is None else batches
+        if not self.config.train.evaluate:
+            return evaluate(model, batches)
+        with torch.no_grad():
+            loss = self.user_evaluation(model, batches)
+        try:
+            return float(loss)
+        except (TypeError, ValueError):
+            why = f"returned {type(loss).__name__}, not a number (the mean loss)"
+            raise ConfigError("train.evaluate", self.config.train.evaluate, why) from None
+
+    @cached_property
+    def user_evaluation(self) -> Callable[[nn.Module, Batches], Any]:
+        return find_callable(self.config.train.evaluate, "train.evaluate")
 
 
 def make_eval_batches(config: RunConfig, splits: TokenSplits, seq_len: int) -> Batches:

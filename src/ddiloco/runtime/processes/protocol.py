@@ -13,8 +13,8 @@ side is renamed on the other (docs/extending.md, "Add a wire message kind"). Wha
 beside the metadata stays in the frame's header (the fragment, the round) or its payload (a
 fragment's or an answer's tensors).
 
-Learner -> syncer: :class:`Hello`, :class:`Progress`, :class:`Answer`, :class:`Beat`,
-:class:`Inline`, :class:`AskPeers`, :class:`Bye`, :class:`Proof`.
+Learner -> syncer: :class:`Hello`, :class:`Progress`, :class:`Answer`, :class:`AnswerPart`,
+:class:`Beat`, :class:`Inline`, :class:`AskPeers`, :class:`Bye`, :class:`Proof`.
 Syncer -> learner: :class:`Welcome`, :class:`Ask`, :class:`Fragment`, :class:`Verdict`,
 :class:`Rehello`, :class:`Beat`, :class:`Peers`, :class:`Stop`, :class:`Leave`, :class:`Kill`,
 :class:`Refused`, :class:`NoShm`, :class:`Challenge`.
@@ -35,6 +35,7 @@ MAX_SECONDS = 1e6
 MAX_LOSS = 1e4  # nats per token: far above a uniform guess over any vocabulary
 MAX_TEXT = 256
 MAX_PEERS = 4096
+MAX_RANKS = 4096  # ranks of one sharded learner
 
 Totals = tuple[int, list[int]]  # a life's tokens reported and rebases per fragment so far
 
@@ -213,9 +214,11 @@ class Answer(Message):
     KIND, FROM = "answer", LEARNER
     answer: AnswerMeta
     totals: Totals | None = None
+    ranks: int = 1  # > 1: a sharded learner's rank 0 part (its rows); the others follow
 
     def meta(self) -> dict[str, Any]:
-        return {**dataclasses.asdict(self.answer), **totals_meta(self.totals)}
+        ranks = {"ranks": self.ranks} if self.ranks > 1 else {}
+        return {**dataclasses.asdict(self.answer), **totals_meta(self.totals), **ranks}
 
     @classmethod
     def parse(cls, meta: dict[str, Any], fragments: int) -> Self:
@@ -225,7 +228,30 @@ class Answer(Message):
             round_id=count(meta, "round_id", UNSOLICITED),
             **values,
         )
-        return cls(answer, totals(meta, fragments))
+        ranks = count(meta, "ranks", 2, MAX_RANKS) if "ranks" in meta else 1
+        return cls(answer, totals(meta, fragments), ranks)
+
+
+@dataclass(frozen=True)
+class AnswerPart(Message):
+    """Rank ``rank`` (>= 1) of a sharded learner's part of answer ``key``: its rows of the
+    fragment (the payload), on the rank's own connection (core/parts.py)."""
+
+    KIND, FROM = "answer_part", LEARNER
+    key: tuple[int, int, int]
+    fragment: int
+    rank: int
+    ranks: int
+
+    def meta(self) -> dict[str, Any]:
+        return {"key": list(self.key), "fragment": self.fragment, "rank": self.rank,
+                "ranks": self.ranks}  # fmt: skip
+
+    @classmethod
+    def parse(cls, meta: dict[str, Any], fragments: int) -> Self:
+        ranks = count(meta, "ranks", 2, MAX_RANKS)
+        fragment = count(meta, "fragment", 0, fragments - 1)
+        return cls(key_of(meta), fragment, count(meta, "rank", 1, ranks - 1), ranks)
 
 
 @dataclass(frozen=True)
@@ -462,6 +488,7 @@ KINDS: tuple[type[Message], ...] = (
     Hello,
     Progress,
     Answer,
+    AnswerPart,
     Beat,
     Inline,
     AskPeers,

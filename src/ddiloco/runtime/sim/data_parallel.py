@@ -26,7 +26,7 @@ from ddiloco.data.shards import concatenated
 from ddiloco.report.summary import summary
 from ddiloco.runtime.sim.restart import Resume, rng_state, set_rng
 from ddiloco.runtime.sim.run import SimRun
-from ddiloco.trainer import Trainer, evaluate
+from ddiloco.trainer import Trainer
 
 
 class DataParallelSim(SimRun):
@@ -200,7 +200,7 @@ class DataParallelSim(SimRun):
         self._pause(downtime, "restart")
 
     def _eval(self) -> float:
-        loss = evaluate(self.trainer.model, self.eval_batches)
+        loss = self.setup.evaluate(self.trainer.model, self.eval_batches)
         self.emit({"kind": "eval", "t": self.now, "tokens": self.tokens, "loss": loss})
         return loss
 

@@ -57,7 +57,7 @@ from ddiloco.runtime import layout
 from ddiloco.runtime.processes.state_file import StateFile
 from ddiloco.runtime.processes.transport.events import Events
 from ddiloco.runtime.run import RunSetup
-from ddiloco.trainer import Trainer, evaluate, pick_device
+from ddiloco.trainer import Trainer, pick_device
 
 FIELDS = (
     "version",
@@ -251,7 +251,7 @@ class DPWorker:
         return bool(flag.item())
 
     def evaluate(self) -> float:
-        loss = evaluate(self.module, self.setup.eval_batches)
+        loss = self.setup.evaluate(self.module)
         self.events("eval", tokens=self.tokens, loss=loss)
         self.next_eval = self.tokens + self.config.train.eval_every
         return loss

@@ -5,9 +5,10 @@ faults (then one that plays only those). The learners dial the proxy's address, 
 dials the syncer. Link faults (``link_cut``, ``link_slow``) are JSON commands on the proxy's
 stdin, a pipe from the launcher; a restarted proxy is sent again what is left of each one
 once it is up (its ``proxy_up``: a restart can take seconds, on Ray an actor's), so a fault
-outlives the proxy's own crash and ends when it would have. A fault played while the proxy
-is starting is sent once it is up. Behind a proxy, payloads must cross it: no shared memory
-(the launcher turns it off).
+outlives the proxy's own crash and ends when it would have; the proxy forwards nothing
+until told ``open`` after them, so no frame of a cut learner slips through a restart. A
+fault played while the proxy is starting is sent once it is up. Behind a proxy, payloads
+must cross it: no shared memory (the launcher turns it off).
 """
 
 from __future__ import annotations
@@ -80,7 +81,8 @@ class LinkFaults:
         self.spawn(cmd)
 
     def up(self) -> None:
-        """The proxy is up (its ``proxy_up``): send it what is left of every link fault."""
+        """The proxy is up (its ``proxy_up``): send it what is left of every link fault, then
+        open it (it forwards nothing before)."""
         self.live = True
         now = time.monotonic()
         for end, command in self.commands:
@@ -91,6 +93,7 @@ class LinkFaults:
                     else {"seconds": 0.0 if math.isinf(end) else end - now}
                 )
                 self.send({**command, **left})
+        self.send({"open": True})
 
     def send(self, command: dict[str, Any]) -> bool:
         """One JSON line on the proxy's control pipe; False if there is no proxy to hear it."""

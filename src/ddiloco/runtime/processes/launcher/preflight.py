@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass, replace
 
 from ddiloco.config import RunConfig
+from ddiloco.core.shards import local_plan
 from ddiloco.runtime.contract import assemble, check_contract
 from ddiloco.runtime.processes.launcher.devices import assign_gpus, visible_gpus
 
@@ -34,8 +35,14 @@ def check(config: RunConfig, method: str = "decoupled") -> Report:
     if config.runtime == "ray":  # the learners' device is on their nodes, not this driver's:
         # a learner that cannot use it exits naming the cause (78), and the run stops
         config = replace(config, train=replace(config.train, device="cpu"))
+    if config.train.entry:  # the user's loop must be there before any learner starts
+        from ddiloco.runtime.processes.learner.own_loop import resolve_entry
+
+        resolve_entry(config.train.entry)
     setup = assemble(config, method)
     check_contract(setup)  # (first: it says when the device does not exist at all)
+    if config.train.parallel == "fsdp":  # every parameter split on its first dim, or refused
+        local_plan(setup.plan, config.processes.ranks, 0)  # naming the one that cannot be
     if setup.method.fragments and config.runtime == "processes":  # (Ray: num_gpus; a
         # data-parallel job checks its ranks' devices itself)
         assign_gpus(config, setup.slots, visible_gpus(os.environ))

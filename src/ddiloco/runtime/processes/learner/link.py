@@ -56,9 +56,9 @@ from ddiloco.core.learner_state import Answer
 from ddiloco.errors import DDiLoCoError
 from ddiloco.runtime.processes import protocol
 from ddiloco.runtime.processes.learner.pending import Key, PendingAnswers
-from ddiloco.runtime.processes.transport.auth import HandshakeWatch, present
+from ddiloco.runtime.processes.transport.auth import HandshakeWatch, dial
 from ddiloco.runtime.processes.transport.ratelog import RateLimitedLog
-from ddiloco.runtime.processes.transport.sockets import Backoff, Socket, configure
+from ddiloco.runtime.processes.transport.sockets import Backoff, Socket, received
 from ddiloco.runtime.processes.transport.wire import (
     FLAG_SHM,
     PREFIX,
@@ -103,6 +103,7 @@ class Push:
     """An answer to encode, send, and keep until the syncer acknowledges it."""
 
     answer: Answer
+    ranks: int = 1  # > 1: rank 0's part of a sharded learner's answer (core/parts.py)
 
 
 # what the training thread hands the link, in order: the protocol's messages but an answer
@@ -214,8 +215,10 @@ class SyncerLink(threading.Thread):
     def progress(self, report: protocol.Progress) -> None:
         self.outbox.put(report)
 
-    def push(self, answer: Answer) -> None:
-        self.outbox.put(Push(answer))
+    def push(self, answer: Answer, ranks: int = 1) -> None:
+        """Send ``answer`` (``ranks`` > 1: rank 0's part of it, its rows; the other ranks
+        send theirs on their own links, learner/part_link.py)."""
+        self.outbox.put(Push(answer, ranks))
 
     def register(self, hello: protocol.Hello) -> None:
         self.status = hello
@@ -294,11 +297,7 @@ class SyncerLink(threading.Thread):
             elif self.watch.renew:  # its one-time ticket is spent: zmq must not reuse it
                 self._reconnect("the connection to the syncer closed")
             if self.sock.poll(20):
-                while True:
-                    try:
-                        frames = self.sock.recv_multipart(zmq.NOBLOCK, copy=False)
-                    except zmq.Again:
-                        break
+                for frames in received(self.sock):
                     self._handle(frames)
             self._drain()
             now = time.monotonic()
@@ -354,13 +353,8 @@ class SyncerLink(threading.Thread):
             self._hello()
 
     def _connect(self) -> None:
-        sock = self.ctx.socket(zmq.DEALER)
-        configure(sock, self.wire.limits)
-        present(sock, self.wire.secret, self.wire.run, f"L{self.learner}")
-        sock.setsockopt(zmq.IMMEDIATE, 1)  # nothing queues for a syncer that is not there
-        self.watch = HandshakeWatch(sock, self.address)
-        sock.connect(f"tcp://{self.address}")
-        self.sock = sock
+        w = self.wire
+        self.sock, self.watch = dial(self.ctx, w.limits, w.secret, w.run, w.sender, self.address)
         self.last_rx = time.monotonic()
 
     def _disconnect(self) -> None:
@@ -412,7 +406,7 @@ class SyncerLink(threading.Thread):
             except queue.Empty:
                 return
             if isinstance(item, Push):
-                self._answer(item.answer)
+                self._answer(item.answer, item.ranks)
             elif isinstance(item, protocol.Progress):
                 self._progress(item)
             elif isinstance(item, protocol.Hello):
@@ -447,8 +441,8 @@ class SyncerLink(threading.Thread):
     def _totals(self) -> protocol.Totals:
         return self.total_tokens, list(self.rebases)
 
-    def _answer(self, answer: Answer) -> None:
-        message = protocol.Answer(answer.meta, self._totals())
+    def _answer(self, answer: Answer, ranks: int) -> None:
+        message = protocol.Answer(answer.meta, self._totals(), ranks)
         payload = encode_tensors(answer.delta, self.codec)
         self.pending.add(message, payload)
         if self.state is LinkState.LIVE:

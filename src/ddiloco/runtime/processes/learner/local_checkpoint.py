@@ -62,9 +62,11 @@ def load_latest(
     """The newest save's state, None if there is none; refused (naming the file) when it is
     damaged or another run's (digested under another key, or of another model or plan)."""
     found = LEARNER_STATE.latest(directory)
-    if found is None:
-        return None
-    _, path = found
+    return None if found is None else load_save(found[1], expected, key)
+
+
+def load_save(path: Path, expected: dict[str, Any], key: bytes | None = None) -> dict[str, Any]:
+    """The save at ``path``; refused (naming it) when it is damaged or another run's."""
     state = LEARNER_STATE.read(path, key)
     held = state["identity"]
     if not isinstance(held, dict):

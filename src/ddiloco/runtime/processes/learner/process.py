@@ -1,91 +1,31 @@
-"""One learner process: the training loop, with the network in background threads.
+"""One learner process running ddiloco's own training loop: the built-in user of the engine.
 
-Owns the order of things in a learner's life on the wall clock: recover (from a healthy
-peer's snapshot, else from the syncer's global fragments), register, wait for the syncer's
-first welcome (a learner never trains before its syncer is up), then train. Every
-step: one inner step (the shared Trainer), the core's ``LearnerSync.stepped``, a progress
-report handed to the link thread; between two steps, the core's step boundary
-(:class:`~ddiloco.core.boundary.StepBoundary`: the answers to send — the link thread encodes
-and sends them — then the merged fragments that arrived), and a snapshot if a newcomer asked
-for one. Nothing in the loop waits on a socket. A lock-step method's learner
-(``waits_for_merge``) then waits, polling the boundary again, until the merged fragments it
-must have arrived; while it waits it reports progress (no new tokens) every
-:data:`KEEPALIVE_SECONDS`, so the syncer does not take it for dead. Every learner waits the
-same way at the run's end, once a final ask has come: it only answers the syncer's final
-rounds (so the global model gets what it trained since its last answers) until the stop.
-
-Under torchrun the learner is data-parallel (:mod:`.ranks`): every rank trains on its part of
-the learner's batch with gradients averaged, and only rank 0 has the link and the snapshot
-server; at each boundary rank 0's decisions (stop, fragments to apply) reach every rank.
+Every step is one inner step of the shared Trainer (the sim's: same model contract, same
+AdamW, same data stream), then :meth:`LearnerEngine.step` — the report, the step boundary,
+a lock-step wait, a save (:mod:`.engine` owns a learner's life and its call order). Under
+torchrun the learner is data-parallel (:mod:`.ranks`): every rank trains on its part of the
+learner's batch with gradients averaged; only rank 0 talks to the syncer.
 """
 
 from __future__ import annotations
 
-import logging
-import math
-import os
 import threading
 import time
 from pathlib import Path
-from typing import Any
 
 import torch
 
-from ddiloco.core.boundary import StepBoundary
-from ddiloco.core.learner_state import LearnerSync
 from ddiloco.data.corpus import BatchStream
-from ddiloco.errors import ConfigError
-from ddiloco.runtime.processes import protocol
-from ddiloco.runtime.processes.learner.link import SyncerLink
-from ddiloco.runtime.processes.learner.local_checkpoint import (
-    LocalCheckpoints,
-    identity,
-    load_latest,
-)
-from ddiloco.runtime.processes.learner.peer import SnapshotServer
-from ddiloco.runtime.processes.learner.peer_copy import Copied, copy_from_peers
-from ddiloco.runtime.processes.learner.ranks import Apply, RankGroup
-from ddiloco.runtime.processes.protocol import MAX_LOSS
-from ddiloco.runtime.processes.state_file import state_key
+from ddiloco.runtime.processes.learner.ranks import RankGroup
+from ddiloco.runtime.processes.learner.sharded_engine import engine_for
 from ddiloco.runtime.processes.terminate import on_terminate
 from ddiloco.runtime.processes.transport.events import Events
-from ddiloco.runtime.processes.transport.shm import writer_for
-from ddiloco.runtime.processes.transport.sockets import new_session
-from ddiloco.runtime.processes.transport.tree import pack_tree, unpack_tree
-from ddiloco.runtime.processes.transport.wire import Limits, Wire
 from ddiloco.runtime.run import RunSetup
-from ddiloco.trainer import Trainer
-
-log = logging.getLogger(__name__)
-
-KEEPALIVE_SECONDS = 1.0  # a waiting learner's progress reports, so it is not taken for dead
-WAIT_POLL_SECONDS = 0.002
-WAIT_WARN_SECONDS = 30.0  # a wait this long is said on the terminal (then every 30 s)
-
-
-def snapshot_refusal(tree: Any, versions: list[int] | None, fragments: int) -> str | None:
-    """Why a peer's snapshot cannot be taken, or None: it must hold one version per
-    fragment, none later than the syncer's ``versions`` (no honest peer is ahead of the
-    syncer: a merge is durable before it is broadcast). Taken, a later one made a learner
-    whose every answer was refused as invalid, training forever without a merge."""
-    try:
-        held = [int(v) for v in tree["sync"]["versions"]]
-    except (KeyError, TypeError, ValueError):
-        return "its snapshot holds no fragment versions"
-    if len(held) != fragments:
-        return f"its snapshot holds {len(held)} fragment versions; the plan has {fragments}"
-    if versions is not None and len(versions) == fragments:
-        for p, (have, most) in enumerate(zip(held, versions, strict=True)):
-            if have > most:
-                return (
-                    f"its snapshot holds fragment {p} at version {have}, later than the "
-                    f"syncer's {most} (a lying or foreign peer)"
-                )
-    return None
+from ddiloco.trainer import Trainer, uses_bf16
 
 
 class LearnerProcess:
-    """A learner slot's process: model, inner optimizer, shard, and its sync state."""
+    """A learner slot's process: ddiloco's Trainer (model, AdamW, its shard) and the engine."""
 
     def __init__(
         self,
@@ -107,399 +47,51 @@ class LearnerProcess:
     ) -> None:
         config = setup.config
         torch.set_num_threads(config.processes.threads)
-        self.setup = setup
-        self.m = learner
         self.leaving = threading.Event()  # SIGTERM: a clean leave (a rank's too: ranks.py)
         self.ranks = RankGroup(config.train.device, terminated=self.leaving)
-        if not self.ranks.leader:  # only rank 0 speaks for the learner
-            events = Events(events.t0, open(os.devnull, "w"))  # noqa: SIM115
-        self.events = events
-        self.join = join
-        self.resume = resume
-        self.leave_after = leave_after
-        self.max_steps = max_steps
-        self.run_id = run_id
-        self.secret = secret
-        self.incarnation = new_session()
         t = config.train
         seed = config.seed + learner + 7919 * self.ranks.rank  # ranks draw different batches
         stream = BatchStream(setup.splits.shards[learner], t.batch_size, setup.seq_len, seed)
-        self.trainer = Trainer(setup.model, stream, t, setup.steps_each)
-        self.ranks.average_gradients(self.trainer.model)
-        sync = setup.method.sync
-        self.sync = LearnerSync(
+        model = setup.model
+        if t.parallel == "fsdp" and self.ranks.active:  # FSDP reduces the gradients itself
+            model = self.ranks.shard(model, uses_bf16(t.precision, self.ranks.device))
+        else:
+            self.ranks.average_gradients(model)
+        self.trainer = Trainer(model, stream, t, setup.steps_each)
+        self.engine = engine_for(
+            setup,
             learner,
-            setup.plan,
-            self.trainer.params(),
-            incarnation=self.incarnation,
-            apply=sync.apply,
-            blend=sync.blend,
-        )
-        self.boundary = StepBoundary(
-            self.sync, overlap=sync.rounds.overlap, waits_for_merge=setup.method.waits_for_merge
-        )
-        shapes = [[tuple(t.shape) for t in frag] for frag in self.sync.bases]
-        self.shapes = shapes
-        limits = Limits(max_payload=max(64 << 20, 4 * setup.plan.total_bytes))
-        shm = writer_for(
-            run_id,
-            f"L{learner}",
-            self.incarnation,
-            syncer.rpartition(":")[0],
-            config.processes.shared_memory,
-        )
-        wire = Wire(run_id, secret, f"L{learner}", self.incarnation, limits, shm=shm)
-        self.link = SyncerLink(
             syncer,
-            wire,
-            learner,
-            sync.codec.answers_spec(),
-            shapes,
-            silence_seconds=config.processes.detect_seconds,  # as long as the syncer waits
-            beat_seconds=min(1.0, config.processes.detect_seconds / 4),
-            give_up_seconds=config.processes.give_up_seconds,
-        )
-        self.server = SnapshotServer(  # other ranks' servers never start: a free port each
-            peer_bind or peer_host,
             run_id,
             secret,
-            learner,
-            port=peer_port if self.ranks.leader else 0,
-            advertise_host=peer_host,
-        )
-        self.started = time.monotonic()
-        self.rebased: list[int] = []
-        self.tokens = 0
-        self.bytes_peer = 0
-        self.idle_seconds = 0.0  # lock-step: time spent waiting for merged fragments
-        self.last_seconds = 0.0  # the last step's duration
-        every = config.processes.learner_checkpoint_every if state_dir is not None else 0.0
-        self.saves = LocalCheckpoints(
-            state_dir or Path("."),
-            every if self.ranks.leader else 0.0,
-            identity(setup, learner),
-            key=state_key(secret),  # a save is bound to its run
+            events,
+            self.trainer,
+            self.ranks,
+            self.leaving,
+            join=join,
+            leave_after=leave_after,
+            peer_host=peer_host,
+            peer_port=peer_port,
+            peer_bind=peer_bind,
+            max_steps=max_steps,
+            state_dir=state_dir,
+            resume=resume,
         )
 
-    def status(self) -> protocol.Hello:
-        return protocol.Hello(
-            self.incarnation, self.sync.step, list(self.sync.versions), self.server.address
-        )
-
-    # -- life -------------------------------------------------------------------------------
     def run(self) -> int:
         on_terminate(self.leaving.set)  # SIGTERM: a clean leave
-        copied = self.join or self.resume  # rank 0 starts from a state the others copy
-        unwelcomed = False  # asked to leave before any syncer let us in
-        if self.ranks.leader:
-            self.link.start()
-            self.server.start()
-            if self.resume and self.resume_local():
-                pass
-            elif copied:
-                self.recover()
-            else:
-                self.link.register(self.status())
-            # the first step waits for the syncer's first welcome: a learner up before its
-            # syncer would otherwise train alone and report it all at once, spending the
-            # token budget before a single merge (the link gives up loudly after
-            # processes.give_up_seconds; the loop then stops at its first boundary)
-            unwelcomed = not self.await_welcome()
-            if not unwelcomed and not copied and self.late():
-                self.recover(kind="caught_up")
-                copied = True
-        if self.ranks.active:  # rank 0's start on every rank: 0 fresh, 1 copied, 2 leave now
-            start = bytes([2 if unwelcomed else int(copied)])
-            flag = self.ranks.share_bytes(start if self.ranks.leader else None)
-            unwelcomed, copied = flag == b"\x02", flag == b"\x01"
-        if unwelcomed:
-            return self.leave_unwelcomed()
-        if self.ranks.active and copied:  # every rank starts from what rank 0 recovered
-            blob = self.ranks.share_bytes(self.snapshot() if self.ranks.leader else None)
-            if not self.ranks.leader:
-                self.load(blob, exact=True)
-        self.started = time.monotonic()
-        self.events(
-            "learner_up",
-            learner=self.m,
-            incarnation=self.incarnation,
-            peer=self.server.address,
-            ranks=self.ranks.world,
-        )
-        in_sync = False
+        if not self.engine.start():
+            return 0
         try:
             while self.step():
                 pass
-            # every rank checks before rank 0 says goodbye and saves: the others would wait
-            # for that in a collective, and a wait after SIGTERM is taken as a failed group
-            in_sync = self.ranks.agree(self.checksum())
-            if self.ranks.leader and self.link.fatal is not None:
-                raise ConfigError("syncer", self.link.address, self.link.fatal)
-            if self.ranks.leader and not self.link.stopped:  # leaving on our own
-                self.link.bye(self.leaving_why())
-                self.events("leave", learner=self.m)
-            if self.saves.every > 0:  # a stopped run resumes from where it stopped
-                self.saves.save(self.sync.step, self.snapshot_state(copy=False))
+            self.engine.finish()
         finally:
-            self.saves.close()
-            self.events(
-                "learner_done",
-                learner=self.m,
-                step=self.sync.step,
-                tokens=self.tokens,
-                bytes_sent=self.link.bytes_sent,
-                bytes_received=self.link.bytes_received,
-                bytes_peer=self.bytes_peer,
-                reconnects=self.link.reconnects,
-                longest_link_gap=round(self.link.longest_gap, 3),
-                idle_seconds=round(self.idle_seconds, 4),
-                refused=dict(self.link.wire.refused),
-                snapshots_served=self.server.served,
-                snapshot_refused=dict(self.server.refused),
-                snapshot_gatekeeper=dict(self.server.gate.counts),
-                ranks=self.ranks.world,
-                ranks_in_sync=in_sync,
-            )
-            if self.ranks.leader:
-                self.link.close()
-                self.server.close()
-            self.ranks.close()
+            self.engine.close()
         return 0
-
-    def await_welcome(self) -> bool:
-        """Wait for the first welcome (a link that gives up sets it too); False if told to
-        stop or to leave first: the run ended, or was stopped, before a syncer let us in."""
-        while not self.link.await_welcome(0.1):
-            if self.leaving.is_set() or self.link.stopped:
-                return False
-        return True
-
-    def leave_unwelcomed(self) -> int:
-        """A clean exit for a learner that never trained: nothing to answer or to save."""
-        log.warning("learner %d: told to stop or leave before a syncer let it in", self.m)
-        if self.ranks.leader:
-            self.link.close(flush_seconds=0.0)
-            self.server.close()
-        self.ranks.close()
-        return 0
-
-    def late(self) -> bool:
-        """A first start welcomed into a run already a sync period (H steps) ahead: this
-        learner was slow to start. It then joins as a newcomer does (a peer's state, else the
-        global step) instead of starting at step 0: a fresh optimizer at the schedule's peak,
-        merged into a model trained past it, can undo the training (eval loss 3.7 -> 10 in 2
-        of 8 runs of the run-directory test's config with outer Nesterov momentum)."""
-        welcome = self.link.welcome
-        return welcome is not None and welcome.global_step >= self.sync.plan.sync_every
-
-    def leaving_why(self) -> str:
-        """Why this learner leaves on its own (its goodbye says it; the syncer logs it)."""
-        if self.leaving.is_set():
-            return "SIGTERM"
-        if self.link.asked_to_leave:
-            return "asked to leave by an operator"
-        if self.max_steps and self.sync.step >= self.max_steps:
-            return f"its step limit ({self.max_steps})"
-        return "its time limit"
-
-    def should_stop(self) -> bool:
-        """Rank 0's call: the syncer said stop, we were asked to leave (SIGTERM, or an
-        operator through the syncer), or our time is up."""
-        if self.link.stopped or self.link.fatal is not None:
-            return True
-        if self.leaving.is_set() or self.link.asked_to_leave:
-            return True
-        if self.leave_after and time.monotonic() - self.started >= self.leave_after:
-            return True
-        return bool(self.max_steps and self.sync.step >= self.max_steps)
 
     def step(self) -> bool:
-        """One step and its boundary; False when the learner stops here."""
+        """One inner step and its boundary; False when the learner stops here."""
         started = time.perf_counter()
         loss, tokens = self.trainer.train_step()
-        self.last_seconds = time.perf_counter() - started
-        tokens *= self.ranks.world  # the learner's batch is every rank's
-        self.sync.stepped(tokens)
-        self.tokens += tokens
-        self.report(tokens, loss)
-        self.events("step", learner=self.m, step=self.sync.step, loss=loss, batch_tokens=tokens)
-        stop, wait = self.at_boundary(step_end=True)
-        if wait and not stop:
-            stop = self.wait_for_merge()
-        if self.saves.due() and not stop:
-            self.saves.save(self.sync.step, self.snapshot_state(copy=False))
-        return not stop
-
-    def report(self, tokens: int, loss: float | None = None) -> None:
-        """A progress report (rank 0): the step, its tokens and loss, the fragments rebased
-        since."""
-        if self.ranks.leader:
-            finite = loss is not None and math.isfinite(loss) and 0.0 <= loss <= MAX_LOSS
-            self.link.progress(
-                protocol.Progress(
-                    self.incarnation,
-                    self.sync.step,
-                    tokens,
-                    self.last_seconds,
-                    self.rebased,
-                    loss=float(loss) if finite and loss is not None else None,
-                )
-            )
-        self.rebased = []
-
-    def at_boundary(self, step_end: bool) -> tuple[bool, bool]:
-        """Between two steps (rank 0 decides, every rank follows): the core's boundary —
-        answers, then the merged fragments that arrived —, a snapshot if one is wanted;
-        returns (stop, wait for a merged fragment)."""
-        params = self.trainer.params()
-        applies: list[Apply] = []
-        answered: list[int] = []
-        stop = wait = False
-        if self.ranks.leader:
-            asks = self.link.take_asks()
-            final = self.link.finishing  # (set before a final ask is handed over)
-            for answer in self.boundary.answers(asks, params, step_end, final):
-                self.link.push(answer)
-                answered.append(answer.meta.fragment)
-            inbox = self.link.take_inbox()
-            applies = [(p, v, vals) for p, (v, vals) in sorted(inbox.items())]
-            self.rebased.extend(self.boundary.apply(inbox, params))
-            # the syncer's final rounds: no more steps, only answers, until the stop
-            wait = self.boundary.must_wait() or self.link.finishing
-            stop = self.should_stop()
-        stop, wait, applies, answered = self.ranks.share_boundary(
-            stop, wait, applies, self.shapes, answered
-        )
-        if not self.ranks.leader:  # rank 0's snapshots (carry), then its merged fragments
-            for p in answered:
-                self.sync.snapshot(p, params)
-            for p, version, values in applies:
-                self.sync.apply(p, version, values, params)
-        if self.ranks.leader:
-            if self.server.wanted:  # cloned tensors, served as they are (no blob)
-                self.server.provide(self.snapshot_state(peer=True))
-            self.link.status = self.status()
-        return stop, wait
-
-    def wait_for_merge(self) -> bool:
-        """Lock-step: poll the boundary until it lets the next step start; returns stop.
-        Rebases and a keepalive reach the syncer before the answers that follow them."""
-        started = last_report = time.monotonic()
-        warn_at = started + WAIT_WARN_SECONDS
-        stop, wait = False, True
-        while wait and not stop:
-            time.sleep(WAIT_POLL_SECONDS)
-            now = time.monotonic()
-            if self.rebased or now - last_report >= KEEPALIVE_SECONDS:
-                self.report(0)
-                last_report = now
-            if now >= warn_at and self.ranks.leader and not self.link.finishing:
-                log.warning(
-                    "learner %d: waiting %.0fs for merged fragments %s (lock-step: a "
-                    "merge waits for every learner)",
-                    self.m,
-                    now - started,
-                    sorted(self.boundary.sent),
-                )
-                warn_at = now + WAIT_WARN_SECONDS
-            stop, wait = self.at_boundary(step_end=False)
-        self.idle_seconds += time.monotonic() - started
-        return stop
-
-    def checksum(self) -> float:
-        with torch.no_grad():
-            return float(sum(p.double().sum() for p in self.trainer.model.parameters()))
-
-    def load(self, blob: bytes, exact: bool = False) -> None:
-        """Adopt a snapshot: a peer's (recovery), or rank 0's (the other ranks: ``exact``)."""
-        self.adopt(unpack_tree(blob), exact)
-
-    def adopt(self, state: dict[str, Any], exact: bool = False) -> None:
-        """Take over a state: a peer's snapshot or our own local checkpoint as a newcomer
-        (what was trained since its bases stays unpushed: core/learner_state.py), or rank
-        0's as an exact copy of it (``exact``)."""
-        self.trainer.load_state(state["trainer"])
-        if exact:
-            self.sync.load_state(state["sync"])
-        else:
-            self.sync.load_peer_state(state["sync"], self.trainer.params())
-        self.sync.incarnation = self.incarnation
-
-    def snapshot_state(self, peer: bool = False, copy: bool = True) -> dict[str, Any]:
-        """Everything a newcomer copies (docs/design.md §5.1); taken between two steps.
-        ``peer``: without the bases, which a newcomer replaces by the values it copied
-        (LearnerSync.load_peer_state): a quarter of the bytes, sent for nothing. ``copy=False``:
-        the live tensors, for a caller done with them before the next step (a local save
-        streamed to disk: no second copy of the state in memory)."""
-        sync = self.sync.state_dict(copy=copy and not peer)
-        if peer:
-            del sync["bases"]
-        return {"trainer": self.trainer.state(copy=copy), "sync": sync, "learner": self.m}
-
-    def snapshot(self) -> bytes:
-        return pack_tree(self.snapshot_state(copy=False))  # pack_tree copies
-
-    # -- recovery ---------------------------------------------------------------------------
-    def resume_local(self) -> bool:
-        """A resumed run: start from our newest local checkpoint (weights, AdamW, step, data
-        position, base versions) and register with it; the syncer sends the fragments merged
-        since. False when there is none (then a peer, else the syncer)."""
-        state = load_latest(self.saves.directory, self.saves.identity, self.saves.key)
-        if state is None:
-            return False
-        self.adopt(state)
-        self.link.register(self.status())
-        self.events(
-            "recovered",
-            learner=self.m,
-            peer=None,
-            source="local",
-            step=self.sync.step,
-            position=self.trainer.stream.position,
-        )
-        return True
-
-    def recover(self, kind: str = "recovered") -> None:
-        """Copy a healthy peer (nobody pauses), else start from the syncer's fragments;
-        ``kind``: the event that says so (``caught_up``: a late first start)."""
-        peers = self.link.request_peers(timeout=30.0)  # the furthest trained first
-        # no deadline for the whole copy (16 GB at 1B parameters), only for a stall; a
-        # snapshot far larger than ours (params, two moments, bases) is refused unallocated
-        limit = 2 * (self.trainer.state_bytes() + self.sync.plan.total_bytes) + (64 << 20)
-        fragments = self.sync.plan.num_fragments
-
-        def refuse(copied: Copied) -> str | None:
-            # the syncer's versions now, after the copy: the donor's snapshot may hold merges
-            # made since the first ask, never one the syncer has not made yet
-            now = self.link.request_peers(timeout=10.0).versions
-            return snapshot_refusal(copied.tree, now, fragments)
-
-        copied = copy_from_peers(
-            peers.addresses, self.run_id, self.secret, self.m, max_bytes=limit, refuse=refuse
-        )
-        if copied is not None:
-            pid, copy = copied
-            self.adopt(copy.tree)
-            self.bytes_peer += copy.nbytes
-            self.link.register(self.status())
-            self.events(kind, learner=self.m, peer=int(pid), bytes=copy.nbytes, step=self.sync.step)
-            return
-        # nobody to copy: the syncer's global fragments, fresh inner state, the global step
-        self.link.register(self.status())
-        self.link.await_welcome()  # a welcome, or the link gives up (it then says why)
-        if self.link.fatal is not None:
-            return
-        welcome = self.link.welcome or protocol.Welcome(0, [])
-        step = welcome.global_step
-        self.sync.step = step
-        self.trainer.steps = step
-        wanted = {p for p, v in enumerate(welcome.versions) if v > 0}
-        deadline = time.monotonic() + 30.0
-        params = self.trainer.params()
-        while wanted and time.monotonic() < deadline:
-            for p, (version, values) in self.link.take_inbox().items():
-                if self.sync.apply(p, version, values, params):
-                    wanted.discard(p)
-            time.sleep(0.01)
-        self.link.register(self.status())  # at the global step now: counted from there
-        self.events(kind, learner=self.m, peer=None, source="syncer", step=step)
+        return self.engine.step(tokens, loss, seconds=time.perf_counter() - started)

@@ -45,6 +45,34 @@ class RankGroupFailed(RuntimeError):
     go on (torchrun, or the Ray child, restarts the learner as a whole)."""
 
 
+def watch_agent(rank: int, every: float = 0.5) -> None:
+    """Exit when torchrun's agent, our parent, is gone (SIGKILLed with the launcher): its
+    ranks would otherwise wait, orphaned, in a rendezvous or a collective for gloo's
+    30-minute timeout, holding a learner's slot and ports."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(every)
+        log.error("rank %d: its torchrun agent (pid %d) is gone: exiting", rank, parent)
+        logging.shutdown()
+        os._exit(1)
+
+    threading.Thread(target=watch, name="agent-watch", daemon=True).start()
+
+
+def _packed(pieces: Sequence[torch.Tensor], length: int, device: torch.device) -> torch.Tensor:
+    """``pieces`` flattened, one after the other, into one fp32 tensor of ``length`` (zeros
+    after them): the only copy they need to cross in one collective."""
+    out = torch.zeros(length, device=device)
+    at = 0
+    for piece in pieces:
+        n = piece.numel()
+        out[at : at + n] = piece.reshape(-1)
+        at += n
+    return out
+
+
 class RankGroup:
     """This process's place among its learner's data-parallel ranks. ``terminated`` is
     the learner's SIGTERM flag: a collective waiting on after it is taken as failed."""
@@ -55,6 +83,8 @@ class RankGroup:
         self.device = torch.device("cpu")
         self.terminated = terminated if terminated is not None else threading.Event()
         self.failed: str | None = None  # why the group failed (a collective's error)
+        if self.world > 1 and "TORCHELASTIC_RUN_ID" in os.environ:
+            watch_agent(self.rank)
         if self.world > 1 and not dist.is_initialized():
             # the learner's device, not whatever the host has: a CPU run on a GPU host
             # all-reduces CPU tensors (gloo), which NCCL cannot
@@ -134,6 +164,41 @@ class RankGroup:
             if p.requires_grad:
                 p.register_post_accumulate_grad_hook(reduce)  # type: ignore[no-untyped-call]
 
+    def shard(self, model: nn.Module, bf16: bool = False) -> nn.Module:
+        """FSDP2 over this learner's ranks (``train.parallel = "fsdp"``): every block of
+        every ``nn.ModuleList`` (a transformer's layers) its own unit, then the rest; each
+        rank then holds 1/R of the parameters, gradients and optimizer state. ``bf16``:
+        compute in bf16, reduce gradients in fp32 (CUDA under ``train.precision``).
+
+        The model (Theta_0, built in host memory) is sharded as a skeleton on the meta
+        device, materialized on this rank's device, and only this rank's rows of each
+        parameter are copied in: the whole model never lands on the device (the ceiling
+        sharding removes), nor twice in host memory."""
+        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+        from ddiloco.core.shards import shard_rows
+
+        policy = (
+            MixedPrecisionPolicy(torch.bfloat16, torch.float32) if bf16 else MixedPrecisionPolicy()
+        )
+        params = {n: p.detach() for n, p in model.named_parameters()}
+        buffers = {n: b.detach() for n, b in model.named_buffers()}
+        model.to("meta")
+        for module in list(model.modules()):
+            if isinstance(module, nn.ModuleList):
+                for block in module:
+                    fully_shard(block, mp_policy=policy)
+        fully_shard(model, mp_policy=policy)
+        model.to_empty(device=self.device)
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                local = p.to_local() if hasattr(p, "to_local") else p
+                lo, hi = shard_rows(p.shape[0], self.world, self.rank) if p.dim() else (0, 0)
+                local.copy_(params.pop(n)[lo:hi] if p.dim() else params.pop(n))
+            for n, b in model.named_buffers():
+                b.copy_(buffers[n])
+        return model
+
     def share_boundary(
         self,
         stop: bool,
@@ -169,6 +234,42 @@ class RankGroup:
             out.append((p, version, [v.cpu() for v in values]))
         return bool(head[0]), bool(head[1]), out, snapshots
 
+    def share_asks(self, asks: dict[int, int], final: bool) -> tuple[dict[int, int], bool]:
+        """Rank 0's asks (fragment -> round id) and final-rounds flag on every rank (a
+        sharded learner's ranks each answer their rows of them)."""
+        if not self.active:
+            return asks, final
+        size = torch.tensor([len(asks)], dtype=torch.int64, device=self.device)
+        self._wait("ask broadcast", [dist.broadcast(size, 0, async_op=True)])
+        head = torch.zeros(1 + 2 * int(size), dtype=torch.int64, device=self.device)
+        if self.leader:
+            head[0] = int(final)
+            for i, (p, round_id) in enumerate(sorted(asks.items())):
+                head[1 + 2 * i], head[2 + 2 * i] = p, round_id
+        self._wait("ask broadcast", [dist.broadcast(head, 0, async_op=True)])
+        values = head.tolist()
+        return {values[1 + 2 * i]: values[2 + 2 * i] for i in range(int(size))}, bool(values[0])
+
+    def scatter_flat(
+        self, parts: Sequence[Sequence[torch.Tensor]] | None, sizes: Sequence[int]
+    ) -> torch.Tensor:
+        """This rank's part of rank 0's ``parts`` (one list of pieces per rank, rank order;
+        ``sizes``: every part's flat length, known to all), flat fp32: one scatter, each part
+        crossing once, to its rank only ."""
+        longest = max(sizes) if sizes else 0
+        if not self.active:
+            assert parts is not None
+            return _packed(parts[0], longest, self.device)
+        mine = torch.empty(longest, device=self.device)
+        if longest == 0:
+            return mine
+        chunks = None
+        if self.leader:
+            assert parts is not None
+            chunks = [_packed(part, longest, self.device) for part in parts]
+        self._wait("merged rows scatter", [dist.scatter(mine, chunks, 0, async_op=True)])
+        return mine[: sizes[self.rank]].cpu()
+
     def share_bytes(self, blob: bytes | None) -> bytes:
         """Rank 0's bytes (a recovered state) on every rank."""
         if not self.active:
@@ -183,6 +284,27 @@ class RankGroup:
             data = torch.empty(int(size), dtype=torch.uint8, device=self.device)
         self._wait("state broadcast", [dist.broadcast(data, 0, async_op=True)])
         return blob if blob is not None else bytes(data.cpu().numpy().tobytes())
+
+    def all_ints(self, values: Sequence[int]) -> list[list[int]]:
+        """Every rank's ``values`` (the same length on every rank), in rank order."""
+        if not self.active:
+            return [list(values)]
+        mine = torch.tensor(list(values), dtype=torch.int64, device=self.device)
+        into = [torch.empty_like(mine) for _ in range(self.world)]
+        self._wait("all-gather", [dist.all_gather(into, mine, async_op=True)])
+        return [t.tolist() for t in into]
+
+    def all_texts(self, text: str, longest: int = 512) -> list[str]:
+        """Every rank's ``text`` (UTF-8, at most ``longest`` bytes), in rank order."""
+        raw = text.encode()
+        if len(raw) > longest:
+            raise ValueError(f"{text[:40]!r}...: longer than {longest} bytes")
+        rows = self.all_ints([len(raw), *raw, *bytes(longest - len(raw))])
+        return [bytes(row[1 : 1 + row[0]]).decode() for row in rows]
+
+    def any(self, flag: bool) -> bool:
+        """Whether ``flag`` holds on any rank."""
+        return bool(max(row[0] for row in self.all_ints([int(flag)])))
 
     def agree(self, value: float) -> bool:
         """Whether every rank holds the same ``value`` (e.g. a parameter checksum)."""

@@ -38,6 +38,9 @@ REFUSE_SECONDS = 5.0  # a newcomer held this long while the current life speaks 
 MAX_CONNECTIONS = 4096
 
 
+Who = int | tuple[int, int]  # a learner's own link, or a sharded learner's rank link (m, r)
+
+
 class Door(Enum):
     CHALLENGED = "challenged"  # a nonce was sent; no proof yet
     PROVEN = "proven"
@@ -51,7 +54,7 @@ class Verdict(Enum):
 
 @dataclass
 class _Connection:
-    learner: int
+    learner: Who
     door: Door
     nonce: str
     challenged_at: float
@@ -76,12 +79,12 @@ class Admission:
         self._connections: OrderedDict[bytes, _Connection] = OrderedDict()
         self._newcomers: dict[tuple[int, int], float] = {}  # (learner, session) -> first seen
 
-    def proven(self, ident: bytes, m: int) -> bool:
+    def proven(self, ident: bytes, m: Who) -> bool:
         """Whether connection ``ident`` proved it speaks for learner ``m``."""
         conn = self._connections.get(ident)
         return conn is not None and conn.learner == m and conn.door is Door.PROVEN
 
-    def challenge(self, ident: bytes, m: int, now: float) -> tuple[str | None, int]:
+    def challenge(self, ident: bytes, m: Who, now: float) -> tuple[str | None, int]:
         """An unproven frame came on ``ident``: (the nonce to send it, or None when it was
         challenged less than ``CHALLENGE_SECONDS`` ago; the frames it sent unproven)."""
         conn = self._connections.get(ident)
@@ -96,7 +99,7 @@ class Admission:
         conn.unproven += 1
         return conn.nonce, conn.unproven
 
-    def prove(self, ident: bytes, m: int, nonce: object) -> bool:
+    def prove(self, ident: bytes, m: Who, nonce: object) -> bool:
         """A signed ``proof`` came on ``ident``: True (now proven) if it echoes the nonce
         this connection was sent."""
         conn = self._connections.get(ident)

@@ -42,7 +42,8 @@ from ddiloco.runtime.processes.syncer.admission import Admission, Verdict
 from ddiloco.runtime.processes.transport.auth import (
     Gatekeeper,
     HandshakeCounter,
-    learner_of,
+    Link,
+    link_of,
     serve_plain,
 )
 from ddiloco.runtime.processes.transport.ratelog import RateLimitedLog, Throttle
@@ -76,6 +77,7 @@ class Incoming:
     meta: dict[str, Any]
     payload: memoryview
     at: float = 0.0  # when it came (the service's clock), however late the loop reads it
+    rank: int = 0  # > 0: on rank ``rank``'s link of a sharded learner (its answer parts)
 
 
 class Connections:
@@ -110,6 +112,9 @@ class Connections:
         self.sock.bind(f"tcp://{bind}")
         self.routes: dict[int, bytes] = {}  # learner -> its authenticated connection
         self.sessions: dict[int, int] = {}  # learner -> the session its frames come from
+        # a sharded learner's rank links (learner, rank >= 1): the same, for its parts only
+        self.part_routes: dict[Link, bytes] = {}
+        self.part_sessions: dict[Link, int] = {}
         self.rehellos = Throttle(REHELLO_SECONDS)  # per learner
         self.inline: set[int] = set()  # learners that cannot read our /dev/shm slots
         self.bytes_sent = 0
@@ -139,9 +144,9 @@ class Connections:
         return self.wire.session
 
     def is_member(self, name: str) -> bool:
-        """Which names may connect: the run's learner slots."""
-        m = learner_of(name)
-        return m is not None and m < self.slots
+        """Which names may connect: the run's learner slots (and their ranks' links)."""
+        link = link_of(name)
+        return link is not None and link[0] < self.slots
 
     def refuse(self, reason: str, m: int | None, why: str) -> None:
         """Count one refused message and say why (rate-limited)."""
@@ -231,10 +236,11 @@ class Connections:
         connection proved itself and its life is the learner's (:mod:`.admission`), then
         its session."""
         user = str(frames[-1].get("User-Id")) if len(frames) > 1 else None
-        m = learner_of(user)
-        if m is None or not 0 <= m < self.slots:  # the gatekeeper admits no such peer
+        link = link_of(user)
+        if link is None or not 0 <= link[0] < self.slots:  # the gatekeeper admits no such peer
             self.refuse("refused_identity", None, f"connection authenticated as {user!r}")
             return None
+        m, rank = link
         if len(frames) != 4:  # routing id + a frame's three parts
             self.refuse("refused_parts", m, f"{len(frames) - 1} parts, a frame has 3")
             return None
@@ -249,6 +255,8 @@ class Connections:
         if h.sender != user or h.learner != m:
             self.refuse("refused_identity", m, f"a frame of {h.sender!r} on {user}'s connection")
             return None
+        if rank:
+            return self._check_part(ident, m, rank, h, msg.payload)
         if not self.admission.proven(ident, m):
             self._prove(ident, m, h)
             return None
@@ -266,16 +274,41 @@ class Connections:
             return None
         return Incoming(m, h.kind, h.meta, msg.payload, at)
 
-    def _prove(self, ident: bytes, m: int, h: Header) -> None:
-        """A frame on a connection that has not proved itself: a proof, or a challenge."""
+    def _check_part(
+        self, ident: bytes, m: int, rank: int, h: Header, payload: memoryview
+    ) -> Incoming | None:
+        """A frame on rank ``rank``'s link of sharded learner ``m``: proven as any connection
+        is, then through the replay window. It carries the rank's answer parts only: the
+        learner's life, liveness and route stay its rank 0 link's."""
+        link = (m, rank)
+        if not self.admission.proven(ident, link):
+            self._prove(ident, m, h, link)
+            return None
+        try:
+            self.wire.admit(h)
+        except WireError:  # counted and logged by the wire
+            return None
+        self.part_routes[link] = ident
+        self.part_sessions[link] = h.session
+        if h.to != self.wire.session:  # it learns this life's session from the rehello
+            if self.rehellos.ready(link):
+                self._send_to(ident, protocol.Rehello(), learner=m, to=h.session)
+            self.counts["rehello"] += 1
+            return None
+        return Incoming(m, h.kind, h.meta, payload, self.clock(), rank)
+
+    def _prove(self, ident: bytes, m: int, h: Header, link: Link | None = None) -> None:
+        """A frame on a connection that has not proved itself: a proof, or a challenge
+        (``link``: a sharded learner's rank link, else learner ``m``'s own)."""
+        who = m if link is None else link
         if h.kind == protocol.Proof.KIND:
-            if self.admission.prove(ident, m, h.meta.get("nonce")):  # (compared, not parsed)
+            if self.admission.prove(ident, who, h.meta.get("nonce")):  # (compared, not parsed)
                 return  # (not through the replay window: a new life's proof must not
                 # retire the current life's session; the nonce makes it fresh)
             self.refuse("refused_proof", m, "a proof that does not echo this connection's nonce")
             return
         self.counts["unproven"] += 1
-        nonce, unproven = self.admission.challenge(ident, m, time.monotonic())
+        nonce, unproven = self.admission.challenge(ident, who, time.monotonic())
         if nonce is not None:
             self._send_to(ident, protocol.Challenge(nonce), learner=m, to=h.session)
         if unproven == UNPROVEN_SAID:  # a learner proves itself at its first challenge
@@ -345,6 +378,17 @@ class Connections:
         parts = self._encode(m, kind, **kw)
         if parts is not None:
             self._pipe_out.send_multipart(parts, copy=False)
+
+    def send_part(self, m: int, rank: int, kind: str, **kw: Any) -> None:
+        """To rank ``rank``'s link of sharded learner ``m`` (inline; as :meth:`send`)."""
+        route = self.part_routes.get((m, rank))
+        if route is None:
+            with self._tally:
+                self.counts["send_unrouted"] += 1
+            return
+        to = self.part_sessions.get((m, rank), 0)
+        parts = self.wire.encode(kind, learner=m, inline=True, to=to, **kw)
+        self._pipe_out.send_multipart([route, *parts], copy=False)
 
     def _encode(self, m: int, kind: str, **kw: Any) -> list[Any] | None:
         route = self.routes.get(m)

@@ -24,7 +24,6 @@ import torch
 from ddiloco.core.fragments import scatter
 from ddiloco.runtime.processes.transport.events import Events
 from ddiloco.runtime.run import RunSetup
-from ddiloco.trainer import evaluate
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +70,7 @@ class Evaluator:
 
     def _run(self, model: torch.nn.Module, tokens: int) -> None:
         try:
-            loss = evaluate(model, self.setup.eval_batches)
+            loss = self.setup.evaluate(model)
         except Exception as exc:
             self.counts["eval_failed"] += 1
             log.error(

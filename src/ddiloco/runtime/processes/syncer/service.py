@@ -50,6 +50,7 @@ from ddiloco.config import RunConfig
 from ddiloco.core.codec import encode_tensors
 from ddiloco.core.credit import StepBudget
 from ddiloco.core.ledger import CRASH, LEFT
+from ddiloco.core.parts import PartError
 from ddiloco.core.restart_ledger import RestartLedger
 from ddiloco.core.rounds import UNSOLICITED, AnswerMeta, Round, Verdict
 from ddiloco.core.syncer_state import MergeResult, SyncerState
@@ -60,6 +61,7 @@ from ddiloco.runtime.processes.syncer.attendance import Attendance
 from ddiloco.runtime.processes.syncer.checkpoints import checkpoint_writer
 from ddiloco.runtime.processes.syncer.connections import Connections, Incoming
 from ddiloco.runtime.processes.syncer.evaluator import Evaluator
+from ddiloco.runtime.processes.syncer.parts import AnswerParts, Head
 from ddiloco.runtime.processes.syncer.restore import restore_service
 from ddiloco.runtime.processes.syncer.roster import Roster
 from ddiloco.runtime.processes.syncer.status import StatusBoard, StatusServer, snapshot_of
@@ -157,6 +159,13 @@ class SyncerService:
             bind, run_id, secret, setup.slots, self.limits, shm, clock=events.now, tickets=tickets
         )
         self.counts = self.conn.counts  # one tally of what was refused, dropped, re-sent
+        # a sharded learner's answers, part by part, each from its rank's own link
+        self.parts = AnswerParts(
+            self.plan,
+            2 * detect_seconds,
+            lambda m, rank, msg: self.conn.send_part(m, rank, msg.KIND, meta=msg.meta()),
+            self.counts,
+        )
         self.status = StatusBoard(run_id)
         self.actions = ActionGate(secret, self.config.processes)
         self.evaluator = Evaluator(setup, events, on_eval=self.status.evaluated)
@@ -184,6 +193,7 @@ class SyncerService:
             "peers": self.on_peers,
             "progress": self.on_progress,
             "answer": self.on_answer,
+            "answer_part": self.on_answer_part,
             "bye": self.on_bye,
             "beat": self.on_beat,
         }
@@ -231,6 +241,9 @@ class SyncerService:
                 if msg is not None:
                     self.handle(msg)
         self.poll()
+        for dropped in self.parts.expire(self.events.now()):  # never merged half
+            if dropped.head is not None:
+                self.verdict(dropped.key[0], dropped.head.answer, "incomplete")
         self.actions.carry_out(self.send, self.events)  # the status page's requests
         now = self.events.now()
         if now - self.last_beat >= BEAT_SECONDS:
@@ -330,7 +343,15 @@ class SyncerService:
 
     def handle(self, msg: Incoming) -> None:
         """An authenticated message for this syncer life (:mod:`.connections` checked who
-        sent it and for whom): heard from its learner, then its handler."""
+        sent it and for whom): heard from its learner, then its handler. On a sharded
+        learner's rank link (rank >= 1) only its answer parts count; its liveness is its
+        rank 0's."""
+        if msg.rank:
+            self.bytes_received += msg.payload.nbytes
+            whole = self.parts.receive(msg, self.conn.refuse)
+            if whole is not None:
+                self.take_answer(msg.learner, *whole, None)
+            return
         self.attendance.heard(msg.learner, msg.at)
         self.dispatch(msg.learner, msg.kind, msg.meta, msg.payload)
 
@@ -513,12 +534,30 @@ class SyncerService:
             answer = dataclasses.replace(answer, round_id=UNSOLICITED)
             self.counts["forgotten_round"] += 1
         self.bytes_received += payload.nbytes
+        head = Head(answer, overtaken)
         try:
+            if message.ranks > 1:  # rank 0's part of a sharded learner's answer
+                whole = self.parts.add(answer.key, answer.fragment, 0, message.ranks, payload,
+                                       self.events.now(), head)  # fmt: skip
+                if whole is not None:
+                    self.take_answer(m, *whole, None)
+                return
             delta = decode_update(payload, self.shapes[answer.fragment])
         except WireError as exc:
             self.counts[f"refused_{exc.reason}"] += 1
             self.verdict(m, answer, "refused_" + exc.reason)
             return
+        except PartError as exc:
+            self.conn.refuse("refused_part", m, f"rank 0's part: {exc}")
+            return
+        self.take_answer(m, head, delta, payload)
+
+    def take_answer(
+        self, m: int, head: Head, delta: list[torch.Tensor], payload: memoryview | None
+    ) -> None:
+        """A whole answer (``payload``: as it came, None when put together from parts):
+        counted in the ledger, then judged by the core."""
+        answer, overtaken = head.answer, head.overtaken
         if not self.syncer.has_seen(answer.key):  # a re-push is not new work
             before = self.ledger.trained_tokens  # (re-reported tokens a restart missed)
             self.ledger.answered(
@@ -528,12 +567,18 @@ class SyncerService:
         verdict = self.syncer.on_answer(answer, delta, self.events.now())
         if verdict in (Verdict.ACCEPTED, Verdict.WAITING):
             if self.store.journal_enabled:
-                self.payloads[answer.key] = bytes(payload)
+                kept = self.parts.journal(delta) if payload is None else bytes(payload)
+                self.payloads[answer.key] = kept
         else:
             self.verdict(m, answer, verdict.value)
             if verdict in (Verdict.BASE_ALREADY_MERGED, Verdict.STALE):
                 self.resend(m, answer.fragment)
                 self.ask_again(m, answer.fragment)
+
+    def on_answer_part(self, m: int, part: protocol.AnswerPart, _: memoryview) -> None:
+        """A part on the learner's own link: rank 0's part is an ``answer``, the others come
+        on their ranks' links (:meth:`rank_link`)."""
+        self.conn.refuse("refused_part", m, f"rank {part.rank}'s part on learner {m}'s own link")
 
     def ask_again(self, m: int, p: int) -> None:
         """A final round still owed an answer by ``m``, whose answer was on an old base: ask
@@ -563,6 +608,7 @@ class SyncerService:
 
     def verdict(self, m: int, answer: AnswerMeta, verdict: str) -> None:
         self.send(m, protocol.Verdict(answer.key, verdict), fragment=answer.fragment)
+        self.parts.judged(answer.key, verdict)  # (a sharded learner's other ranks too)
         self.events("drop", learner=m, fragment=answer.fragment, verdict=verdict)
 
     # -- merging ----------------------------------------------------------------------------
@@ -574,6 +620,8 @@ class SyncerService:
             live = sorted(self.syncer.live)
             keys = [a.key for a in result.round.answers]
             nbytes = self.send_fragment(live, result.fragment, result.version, result.tensors, keys)
+            for key in keys:
+                self.parts.judged(key, "merged")
             self.syncer.record_sync_time(time.monotonic() - started)
             self.status.merged(result, self.events.now())
             self.attendance.contributed(
@@ -583,6 +631,8 @@ class SyncerService:
         if self.payloads:
             for key in [k for k in self.payloads if not self.syncer.is_held(k)]:
                 del self.payloads[key]  # superseded or dropped: never merged
+        for key in [k for k in self.parts.ranks if not self.syncer.is_held(k)]:
+            self.parts.judged(key, "superseded")  # (merged ones were told so above)
 
     def persist(self, result: MergeResult) -> None:
         """Write the merge to disk before anyone hears of it (an acknowledged merge is

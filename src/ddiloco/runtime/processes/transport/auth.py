@@ -41,12 +41,14 @@ from dataclasses import dataclass
 import zmq
 
 from ddiloco.runtime.processes.transport.ratelog import RateLimitedLog
+from ddiloco.runtime.processes.transport.sockets import configure
 from ddiloco.runtime.processes.transport.tickets import (
     SKEW_SECONDS,
     TicketBook,
     make_ticket,
     parse_ticket,
 )
+from ddiloco.runtime.processes.transport.wire import Limits
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +56,8 @@ ZAP_ENDPOINT = "inproc://zeromq.zap.01"
 DOMAIN = b"ddiloco"
 LABEL = b"ddiloco-connect-v2"  # v2: the username is a one-time ticket
 LEARNER_NAME = re.compile(r"L(\d{1,6})")
+PART_NAME = re.compile(r"L(\d{1,6})r([1-9]\d{0,3})")  # rank r >= 1 of a sharded learner
+Link = tuple[int, int]  # a connection's (learner, rank): rank 0 is the learner's own link
 MAX_ADDRESSES = 4096  # source addresses remembered by the rate limiter (oldest forgotten)
 WHY = {
     "bad_credentials": "wrong secret or run id",
@@ -89,6 +93,22 @@ def learner_of(user: str | None) -> int | None:
     """The learner an authenticated name (``"L3"``) stands for; None for anything else."""
     match = LEARNER_NAME.fullmatch(user or "")
     return int(match.group(1)) if match else None
+
+
+def link_of(user: str | None) -> Link | None:
+    """The learner and rank a connection's authenticated name stands for: ``"L3"`` is
+    learner 3 (rank 0: its one link, or its sharded ranks' rank 0), ``"L3r1"`` rank 1 of
+    sharded learner 3 (core/parts.py); None for anything else."""
+    m = learner_of(user)
+    if m is not None:
+        return m, 0
+    match = PART_NAME.fullmatch(user or "")
+    return (int(match.group(1)), int(match.group(2))) if match else None
+
+
+def link_name(learner: int, rank: int) -> str:
+    """The name learner ``learner``'s rank ``rank`` authenticates as (see :func:`link_of`)."""
+    return f"L{learner}" if rank == 0 else f"L{learner}r{rank}"
 
 
 @dataclass(frozen=True)
@@ -350,3 +370,22 @@ class HandshakeCounter:
         with contextlib.suppress(zmq.ZMQError):
             self.sock.disable_monitor()
         self.mon.close(0)
+
+
+def dial(
+    ctx: zmq.Context[zmq.Socket[bytes]],
+    limits: Limits,
+    secret: bytes,
+    run: str,
+    name: str,
+    address: str,
+) -> tuple[zmq.Socket[bytes], HandshakeWatch]:
+    """A DEALER connected to ``address`` as ``name`` (a fresh ticket), queueing nothing for
+    a server that is not there, and the watch on its handshake."""
+    sock = ctx.socket(zmq.DEALER)
+    configure(sock, limits)
+    present(sock, secret, run, name)
+    sock.setsockopt(zmq.IMMEDIATE, 1)
+    watch = HandshakeWatch(sock, address)
+    sock.connect(f"tcp://{address}")
+    return sock, watch

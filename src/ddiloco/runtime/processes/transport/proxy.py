@@ -5,7 +5,8 @@ connect to it as if it were the syncer, with their credentials: it checks them a
 syncer does) and the syncer (to which it connects once per learner, with that learner's
 credentials: it holds the run secret, from $DDILOCO_SECRET), and on the way drops, delays
 (so reorders), duplicates, truncates and corrupts them at the rates of a :class:`Faults`
-spec such as ``"drop=0.02,duplicate=0.02,corrupt=0.01,truncate=0.01,delay=0.05"``. Seeded,
+spec such as ``"drop=0.02,duplicate=0.02,corrupt=0.01,truncate=0.01,delay=0.05"``
+(``drop_parts``: only the frames of a sharded learner's ranks >= 1, its answer parts). Seeded,
 so a spec and a seed replay the same decisions for the same traffic.
 
 It also plays the chaos plan's link faults, as the simulated clock models them
@@ -14,8 +15,10 @@ nothing for a while (frames are held, in order, and released when the cut ends) 
 ``link_slow`` divides their bandwidth (``--gbps``, the run's ``network.learner_syncer_gbps``)
 by a factor. Commands come from the launcher on stdin (``--control``), one JSON object a
 line: ``{"link": 2, "cut_seconds": 5.0}`` or ``{"link": 2, "factor": 4.0, "seconds": 0}``
-(0: to the end); a bad one is logged and ignored. Run by the launcher when
-``processes.proxy`` is set or the plan has link faults, or by hand::
+(0: to the end); a bad one is logged and ignored. Under ``--control`` the proxy forwards
+nothing until ``{"open": true}``: the launcher sends it after what is left of each link
+fault, so a restarted proxy never lets a cut learner through before its cut is back. Run
+by the launcher when ``processes.proxy`` is set or the plan has link faults, or by hand::
 
     python -m ddiloco.runtime.processes.transport.proxy --listen 127.0.0.1:6000 \
         --target 127.0.0.1:5555 --run-id RUN --faults drop=0.01,corrupt=0.01
@@ -48,7 +51,9 @@ from ddiloco.runtime.processes import terminate
 from ddiloco.runtime.processes.transport.auth import (
     Gatekeeper,
     HandshakeWatch,
-    learner_of,
+    Link,
+    link_name,
+    link_of,
     present,
     serve_plain,
 )
@@ -57,7 +62,7 @@ from ddiloco.runtime.processes.transport.sockets import Socket, load_secret
 
 log = logging.getLogger(__name__)
 
-KINDS = ("drop", "duplicate", "corrupt", "truncate", "delay")
+KINDS = ("drop", "duplicate", "corrupt", "truncate", "delay", "drop_parts")
 DEFAULT_GBPS = NetworkConfig().learner_syncer_gbps
 MAX_COMMAND_BYTES = 1024
 MAX_LINK = 1_000_000
@@ -75,6 +80,7 @@ class Faults:
     truncate: float = 0.0
     delay: float = 0.0
     delay_seconds: float = 0.05
+    drop_parts: float = 0.0  # of the frames a sharded learner's rank >= 1 sends (its parts)
 
     def __post_init__(self) -> None:
         for kind in KINDS:
@@ -114,6 +120,14 @@ class LinkCommand:
     seconds: float = 0.0
 
 
+@dataclass(frozen=True)
+class Open:
+    """``{"open": true}``: start forwarding (a proxy held under ``--control`` waits for it)."""
+
+
+OPEN = Open()
+
+
 def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not a number")
 
@@ -131,8 +145,9 @@ def _number(data: dict[str, Any], key: str, positive: bool) -> float:
     return number
 
 
-def parse_command(raw: bytes | str) -> LinkCommand:
-    """One control line -> a :class:`LinkCommand`; a ValueError says what is wrong with it.
+def parse_command(raw: bytes | str) -> LinkCommand | Open:
+    """One control line -> a :class:`LinkCommand` (or :data:`OPEN`); a ValueError says what is
+    wrong with it.
     Plain JSON only (never pickle); unknown keys, NaN/Infinity and booleans are refused."""
     if len(raw) > MAX_COMMAND_BYTES:
         raise ValueError(f"longer than {MAX_COMMAND_BYTES} bytes")
@@ -143,6 +158,8 @@ def parse_command(raw: bytes | str) -> LinkCommand:
         raise ValueError("nested too deep") from None
     if not isinstance(data, dict):
         raise ValueError(f"expected a JSON object, got {type(data).__name__}")
+    if data == {"open": True}:
+        return OPEN
     link = data.get("link")
     if isinstance(link, bool) or not isinstance(link, int) or not 0 <= link < MAX_LINK:
         raise ValueError(f"'link' must be a learner id in [0, {MAX_LINK}), got {link!r}")
@@ -268,6 +285,7 @@ class FaultProxy:
         *,
         run: str,
         secret: bytes,
+        held: bool = False,
     ) -> None:
         self.faults = faults
         self.target = target
@@ -275,50 +293,54 @@ class FaultProxy:
         self.secret = secret
         self.rng = random.Random(seed)
         self.ctx: zmq.Context[Socket] = zmq.Context()
-        self.gate = Gatekeeper(self.ctx, secret, run, lambda n: learner_of(n) is not None)
+        self.gate = Gatekeeper(self.ctx, secret, run, lambda n: link_of(n) is not None)
         self.gate.start()  # before the bind: no handshake goes unchecked
         self.front = self.ctx.socket(zmq.ROUTER)
         self.front.setsockopt(zmq.LINGER, 0)
         serve_plain(self.front)
         self.front.bind(f"tcp://{listen}")
-        self.routes: dict[int, bytes] = {}  # learner -> its connection to our front
-        self.backs: dict[int, Socket] = {}
-        self.back_learner: dict[Socket, int] = {}
-        self.watches: dict[int, HandshakeWatch] = {}  # learner -> its back socket's ticket
+        # per link (learner, rank: core/parts.py), as its handshake named it
+        self.routes: dict[Link, bytes] = {}  # its connection to our front
+        self.backs: dict[Link, Socket] = {}  # ours to the syncer, with its credentials
+        self.back_link: dict[Socket, Link] = {}
+        self.watches: dict[Link, HandshakeWatch] = {}  # its back socket's ticket
         self.poller = zmq.Poller()
         self.poller.register(self.front, zmq.POLLIN)
         self.delayed: list[tuple[float, int, Socket, list[bytes], int | None, str]] = []
         self._tie = itertools.count()
         self.counts: Counter[str] = Counter()
         self.links: LinkShaper[Queued] = LinkShaper(gbps, self.counts)
-        self.commands: queue.SimpleQueue[LinkCommand | str] = queue.SimpleQueue()
+        self.commands: queue.SimpleQueue[LinkCommand | Open | str] = queue.SimpleQueue()
         self.stop = threading.Event()
+        self.open = threading.Event()  # forwarding; ``held``: only from an :data:`OPEN` on
+        if not held:
+            self.open.set()
 
-    def _back(self, learner: int) -> Socket:
-        sock = self.backs.get(learner)
+    def _back(self, link: Link) -> Socket:
+        sock = self.backs.get(link)
         if sock is None:
             sock = self.ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
-            present(sock, self.secret, self.run_id, f"L{learner}")
-            self.watches[learner] = HandshakeWatch(sock, self.target)
+            present(sock, self.secret, self.run_id, link_name(*link))
+            self.watches[link] = HandshakeWatch(sock, self.target)
             sock.connect(f"tcp://{self.target}")
-            self.backs[learner] = sock
-            self.back_learner[sock] = learner
+            self.backs[link] = sock
+            self.back_link[sock] = link
             self.poller.register(sock, zmq.POLLIN)
         return sock
 
     def _renew_backs(self) -> None:
         """Replace a back socket whose one-time ticket is spent (the syncer restarted, or the
         connection broke): zmq would reconnect it with the spent ticket, refused for ever."""
-        for learner, watch in list(self.watches.items()):
+        for link, watch in list(self.watches.items()):
             refused = watch.poll()
             if refused is not None:
                 log.error("proxy: the syncer at %s", refused)
             if watch.renew or refused is not None:
                 watch.close()
-                del self.watches[learner]
-                sock = self.backs.pop(learner)
-                del self.back_learner[sock]
+                del self.watches[link]
+                sock = self.backs.pop(link)
+                del self.back_link[sock]
                 self.poller.unregister(sock)
                 sock.close(0)
                 self.counts["renewed"] += 1
@@ -396,6 +418,9 @@ class FaultProxy:
             if isinstance(command, str):
                 self.counts["bad_commands"] += 1
                 log.warning("proxy: ignored a bad control command: %s", command)
+            elif isinstance(command, Open):
+                self.open.set()
+                log.info("proxy: open")
             else:
                 self.links.apply(command, time.monotonic())
                 log.info("proxy: %s", command)
@@ -407,6 +432,9 @@ class FaultProxy:
             self.counts["unroutable"] += 1
 
     def serve(self) -> None:
+        while not self.stop.is_set() and not self.open.is_set():  # held: frames wait in zmq
+            self._apply_commands()
+            self.stop.wait(0.01)
         while not self.stop.is_set():
             for sock, _ in self.poller.poll(10):
                 while True:
@@ -416,16 +444,19 @@ class FaultProxy:
                         break
                     frames = [f.bytes for f in raw]
                     if sock is self.front:  # learner -> syncer, as its handshake says
-                        learner = learner_of(raw[-1].get("User-Id"))
-                        if learner is None or len(frames) < 2:
+                        link = link_of(raw[-1].get("User-Id"))
+                        if link is None or len(frames) < 2:
                             continue
-                        self.routes[learner] = frames[0]
-                        self._forward(self._back(learner), frames[1:], learner, UP)
+                        self.routes[link] = frames[0]
+                        if link[1] and self.rng.random() < self.faults.drop_parts:
+                            self.counts["dropped_parts"] += 1
+                            continue
+                        self._forward(self._back(link), frames[1:], link[0], UP)
                     else:  # syncer -> learner
-                        learner = self.back_learner[sock]
-                        route = self.routes.get(learner)
+                        link = self.back_link[sock]
+                        route = self.routes.get(link)
                         if route is not None:
-                            self._forward(self.front, [route, *frames], learner, DOWN)
+                            self._forward(self.front, [route, *frames], link[0], DOWN)
             self._apply_commands()
             self._renew_backs()
             now = time.monotonic()
@@ -455,7 +486,9 @@ def main(argv: list[str] | None = None) -> int:
         help="a learner link's nominal Gbit/s (link_slow divides it)",
     )
     parser.add_argument(
-        "--control", action="store_true", help="read link commands on stdin, one JSON object a line"
+        "--control",
+        action="store_true",
+        help='read link commands on stdin, one JSON object a line; forward from {"open": true}',
     )
     args = parser.parse_args(argv)
     logging.basicConfig(
@@ -469,6 +502,7 @@ def main(argv: list[str] | None = None) -> int:
         args.gbps,
         run=args.run_id,
         secret=load_secret(None),
+        held=args.control,
     )
     terminate.on_terminate(proxy.stop.set)  # (SIGTERM; on Ray, its actor's stop call)
     if args.control:

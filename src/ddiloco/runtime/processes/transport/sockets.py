@@ -8,6 +8,7 @@ import os
 import random
 import secrets
 import stat
+from collections.abc import Iterator
 
 import zmq
 
@@ -111,3 +112,12 @@ class Backoff:
 
     def reset(self) -> None:
         self.attempt = 0
+
+
+def received(sock: zmq.Socket[bytes]) -> Iterator[list[zmq.Frame]]:
+    """Every message waiting on ``sock`` (its frames, not copied), without blocking."""
+    while True:
+        try:
+            yield sock.recv_multipart(zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            return
