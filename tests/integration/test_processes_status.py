@@ -48,6 +48,7 @@ def browse(url: str, out: dict[str, Any], secret: str) -> None:
     """Load the page twice in headless Chromium, 3 s apart (the learners' rows each time),
     then kill learner 1 with its button and the run secret."""
     from selenium import webdriver
+    from selenium.common.exceptions import StaleElementReferenceException
     from selenium.webdriver.chrome.service import Service
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import WebDriverWait
@@ -57,25 +58,31 @@ def browse(url: str, out: dict[str, Any], secret: str) -> None:
     for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage"):
         options.add_argument(flag)
     driver = webdriver.Chrome(service=Service(executable_path=str(CHROMEDRIVER)), options=options)
+    # The page replaces its rows every 2 s, so an element found a moment ago can be stale:
+    # rows are read in one script (atomic in the page's event loop) and the kill button is
+    # found and clicked again until one click lands on a live row.
+    rows_now = "return [...document.querySelectorAll('tr.learner')].map(r => r.innerText)"
+    text_of = "return document.getElementById(arguments[0]).innerText"
+    live = WebDriverWait(driver, 10, ignored_exceptions=[StaleElementReferenceException])
     try:
         for name in ("first", "second"):
             driver.get(url)
-            WebDriverWait(driver, 20).until(
-                lambda d: len(d.find_elements(By.CSS_SELECTOR, "tr.learner")) >= 2
-            )
-            rows = driver.find_elements(By.CSS_SELECTOR, "tr.learner")
+            WebDriverWait(driver, 20).until(lambda d: len(d.execute_script(rows_now)) >= 2)
             out[name] = {
-                "rows": [r.text for r in rows],
-                "head": driver.find_element(By.ID, "head").text,
-                "cards": driver.find_element(By.ID, "cards").text,
+                "rows": driver.execute_script(rows_now),
+                "head": driver.execute_script(text_of, "head"),
+                "cards": driver.execute_script(text_of, "cards"),
             }
             time.sleep(3.0)
         driver.find_element(By.ID, "secret").send_keys(secret)
-        row = driver.find_elements(By.CSS_SELECTOR, "tr.learner")[1]
-        row.find_element(By.CSS_SELECTOR, "button.kill").click()
-        said = driver.find_element(By.ID, "said")
-        WebDriverWait(driver, 10).until(lambda d: said.text)
-        out["killed"] = said.text
+
+        def click_kill(d: Any) -> bool:
+            row = d.find_elements(By.CSS_SELECTOR, "tr.learner")[1]
+            row.find_element(By.CSS_SELECTOR, "button.kill").click()
+            return True
+
+        live.until(click_kill)
+        out["killed"] = live.until(lambda d: d.execute_script(text_of, "said"))
     except Exception as exc:  # (reported by the test, with the page's state)
         out["error"] = f"{type(exc).__name__}: {exc}"
     finally:
