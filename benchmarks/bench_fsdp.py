@@ -5,7 +5,8 @@ one with ``train.parallel = "ddp"`` (every rank holds the whole model and its Ad
 and one with ``"fsdp"`` (each rank holds 1/R): each rank's peak RSS (its ``VmHWM``, recorded
 as in bench_memory.py), the learner's bytes to and from the syncer, its step time. Targets
 (issue 31): peak memory per rank FSDP / DDP <= 0.6 at R = 2; bytes each rank sends 1/R of a
-DDP learner's rank 0 (each rank sends its own parts of the answers on its own link).
+DDP learner's rank 0 (each rank sends its own parts of the answers on its own link), and
+receives 1/R of what it receives (each rank its rows of each merged fragment).
 
     .venv/bin/python benchmarks/bench_fsdp.py                          # gpt-50m, R = 2
     .venv/bin/python benchmarks/bench_fsdp.py --model bench_memory:gpt_200m --tokens 8192
@@ -54,9 +55,11 @@ def one_run(kind: str, args: argparse.Namespace, root: Path) -> dict[str, Any]:
     times = sorted(r["t"] for r in steps)
     gaps = [b - a for a, b in itertools.pairwise(times)]
     rank_sent = [b for sent in summary["learner_bytes_sent"].values() for b in sent]
+    rank_received = [b for got in summary["learner_bytes_received"].values() for b in got]
     return {
         "ranks": ranks,
         "rank_sent": rank_sent,  # (a DDP learner: rank 0's only; its other ranks send none)
+        "rank_received": rank_received,
         "sent": summary["bytes_sent"],
         "received": summary["bytes_received"],
         "steps": len(steps),
@@ -89,10 +92,11 @@ def main() -> None:
         print(f"| bytes the syncer {what} | {a:,} | {b:,} | {b / max(a, 1):.3f} |")
     a, b = runs["ddp"]["step_seconds"], runs["fsdp"]["step_seconds"]
     print(f"| step (median, s) | {a:.2f} | {b:.2f} | {b / a:.3f} |")
-    top = max(runs["ddp"]["rank_sent"])
-    for i, sent in enumerate(runs["fsdp"]["rank_sent"]):
-        print(f"| bytes fsdp rank {i} sent / ddp rank 0's | {sent:,} | {top:,} | "
-              f"**{sent / max(top, 1):.3f}** |")  # fmt: skip
+    for what, verb in (("rank_sent", "sent"), ("rank_received", "received")):
+        top = max(runs["ddp"][what])
+        for i, nbytes in enumerate(runs["fsdp"][what]):
+            print(f"| bytes fsdp rank {i} {verb} / ddp rank 0's | {nbytes:,} | {top:,} | "
+                  f"**{nbytes / max(top, 1):.3f}** |")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -39,7 +39,13 @@ def test_two_sharded_learners_train_and_one_killed_comes_back(tmp_path, launch):
         [*TINY, *SHARDED, "processes.max_wall_seconds=200"],
     )
     hook, state = kill_then_stop(1, down=0.5, steps=60, rounds=6)
-    summary, records = launch(config, tmp_path, hook)
+    seen = {}
+
+    def watch(launcher, r):
+        seen["launcher"] = launcher
+        hook(launcher, r)
+
+    summary, records = launch(config, tmp_path, watch)
     ups = [r for r in records if r["kind"] == "learner_up"]
     assert {r["learner"] for r in ups} == {0, 1} and len(ups) >= 3  # learner 1 came up twice
     assert all(r["sharded"] and r["ranks"] == 2 and len(r["peer"].split()) == 2 for r in ups)
@@ -52,6 +58,12 @@ def test_two_sharded_learners_train_and_one_killed_comes_back(tmp_path, launch):
     assert summary["ledger_balanced"] and summary["ledger_errors"] == 0
     evals = [r["loss"] for r in records if r["kind"] == "eval"]
     assert len(evals) >= 2 and evals[-1] < evals[0] - 1.0, evals  # it learned, sharded
+    # every rank received its own rows of the merged fragments on its own link (payload
+    # bytes: half of each fragment each), and the ranks moved their rows together
+    for m, (rank0, rank1) in summary["learner_bytes_received"].items():
+        assert rank1 > 0 and 0.5 * rank0 <= rank1 <= 1.5 * rank0, (m, rank0, rank1)
+    done = seen["launcher"].learner_done  # (each learner's last life's report)
+    assert sorted(done) == [0, 1] and all(r["ranks_in_sync"] for r in done.values()), done
 
 
 def test_an_answer_whose_part_is_lost_on_the_wire_is_never_merged_half(tmp_path, launch):

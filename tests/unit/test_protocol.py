@@ -19,6 +19,7 @@ ANSWER = AnswerMeta(
 )  # fmt: skip
 EXAMPLES: list[protocol.Message] = [
     protocol.Hello(7, 12, [1, 0, 2], "127.0.0.1:4100"),
+    protocol.Hello(7, 12, [1, 0, 2], "127.0.0.1:4100 127.0.0.1:4101", ranks=2),  # sharded
     protocol.Progress(7, 13, 256, 0.25, [0, 2], (1024, [1, 0, 1])),
     protocol.Progress(7, 13, 256, 0.25, []),
     protocol.Progress(7, 13, 256, 0.25, [1], loss=3.25),
@@ -26,6 +27,7 @@ EXAMPLES: list[protocol.Message] = [
     protocol.Answer(ANSWER),
     protocol.Answer(ANSWER, (1024, [1, 0, 1]), ranks=2),  # rank 0's part
     protocol.AnswerPart((1, 2, 3), 1, 1, 2),
+    protocol.PartHello(3, 4, [1, 0, 2]),
     protocol.Beat(),
     protocol.Beat(live=False),
     protocol.Inline(),
@@ -89,6 +91,9 @@ def test_a_message_is_what_its_receiver_parses_after_the_wire(message):
          "meta.rank"),
         (protocol.AnswerPart, {"key": [1, 2, 3], "fragment": 9, "rank": 1, "ranks": 2},
          "meta.fragment"),
+        (protocol.Hello, {"inc": 1, "step": 0, "versions": [0] * 3, "ranks": 1}, "meta.ranks"),
+        (protocol.PartHello, {"rank": 0, "ranks": 2, "versions": [0] * 3}, "meta.rank"),
+        (protocol.PartHello, {"rank": 1, "ranks": 2, "versions": [0] * 2}, "meta.versions"),
         (protocol.Beat, {"live": 1}, "meta.live"),
         (protocol.Bye, {"why": "x" * 1000}, "meta.why"),
         (protocol.Welcome, {"global_step": 1, "versions": [1]}, "meta.versions"),

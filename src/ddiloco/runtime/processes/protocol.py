@@ -14,7 +14,8 @@ beside the metadata stays in the frame's header (the fragment, the round) or its
 fragment's or an answer's tensors).
 
 Learner -> syncer: :class:`Hello`, :class:`Progress`, :class:`Answer`, :class:`AnswerPart`,
-:class:`Beat`, :class:`Inline`, :class:`AskPeers`, :class:`Bye`, :class:`Proof`.
+:class:`PartHello`, :class:`Beat`, :class:`Inline`, :class:`AskPeers`, :class:`Bye`,
+:class:`Proof`.
 Syncer -> learner: :class:`Welcome`, :class:`Ask`, :class:`Fragment`, :class:`Verdict`,
 :class:`Rehello`, :class:`Beat`, :class:`Peers`, :class:`Stop`, :class:`Leave`, :class:`Kill`,
 :class:`Refused`, :class:`NoShm`, :class:`Challenge`.
@@ -138,14 +139,16 @@ class Hello(Message):
     step: int
     versions: list[int]
     peer: str = ""  # where this learner serves snapshots to newcomers ("" if it does not)
+    ranks: int = 1  # > 1: a sharded learner; each rank gets its rows of merged fragments
 
     def meta(self) -> dict[str, Any]:
-        return {
+        meta = {
             "inc": self.incarnation,
             "step": self.step,
             "versions": list(self.versions),
             "peer": self.peer,
         }
+        return meta if self.ranks == 1 else {**meta, "ranks": self.ranks}
 
     @classmethod
     def parse(cls, meta: dict[str, Any], fragments: int) -> Self:
@@ -154,6 +157,7 @@ class Hello(Message):
             count(meta, "step"),
             counts(meta, "versions", fragments),
             text(meta, "peer"),
+            count(meta, "ranks", 2, MAX_RANKS) if "ranks" in meta else 1,
         )
 
 
@@ -252,6 +256,26 @@ class AnswerPart(Message):
         ranks = count(meta, "ranks", 2, MAX_RANKS)
         fragment = count(meta, "fragment", 0, fragments - 1)
         return cls(key_of(meta), fragment, count(meta, "rank", 1, ranks - 1), ranks)
+
+
+@dataclass(frozen=True)
+class PartHello(Message):
+    """Rank ``rank`` (>= 1) of a sharded learner on its own link to a syncer life it has not
+    spoken to: the fragment versions its learner holds, so the syncer sends this rank its
+    rows of every newer merged fragment (the ones it broadcast before this link was routed)."""
+
+    KIND, FROM = "part_hello", LEARNER
+    rank: int
+    ranks: int
+    versions: list[int]
+
+    def meta(self) -> dict[str, Any]:
+        return {"rank": self.rank, "ranks": self.ranks, "versions": list(self.versions)}
+
+    @classmethod
+    def parse(cls, meta: dict[str, Any], fragments: int) -> Self:
+        ranks = count(meta, "ranks", 2, MAX_RANKS)
+        return cls(count(meta, "rank", 1, ranks - 1), ranks, counts(meta, "versions", fragments))
 
 
 @dataclass(frozen=True)
@@ -489,6 +513,7 @@ KINDS: tuple[type[Message], ...] = (
     Progress,
     Answer,
     AnswerPart,
+    PartHello,
     Beat,
     Inline,
     AskPeers,

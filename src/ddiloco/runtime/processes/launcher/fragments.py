@@ -460,10 +460,14 @@ class Launcher(Supervisor):
             bytes_peer_recovery=sum(r.get("bytes_peer", 0) for r in done),
             restarts=dict(self.restarts),
             refused_by_learners=dict(sum((Counter(r.get("refused", {})) for r in done), Counter())),
-            # each learner's bytes to the syncer in its last life, rank by rank (a DDP
-            # learner's other ranks send none)
+            # each learner's bytes to and from the syncer in its last life, rank by rank (a
+            # DDP learner's other ranks send and receive none)
             learner_bytes_sent={
                 str(m): r.get("rank_bytes_sent") or [r.get("bytes_sent", 0)]
+                for m, r in sorted(self.learner_done.items())
+            },
+            learner_bytes_received={
+                str(m): r.get("rank_bytes_received") or [r.get("bytes_received", 0)]
                 for m, r in sorted(self.learner_done.items())
             },
         )

@@ -201,6 +201,7 @@ class LearnerEngine:
         self.serving = [self.server.address]  # every rank's server (filled by start)
         self.started = time.monotonic()
         self.rank_bytes: list[int] = []  # a sharded learner's bytes sent, rank by rank
+        self.rank_bytes_received: list[int] = []  # ... and received
         self.step_ended = time.perf_counter()  # the last boundary's end: a step's start
         self.rebased: list[int] = []
         self.tokens = 0
@@ -317,6 +318,7 @@ class LearnerEngine:
             ranks=self.ranks.world,
             ranks_in_sync=self.in_sync,
             rank_bytes_sent=self.rank_bytes or None,
+            rank_bytes_received=self.rank_bytes_received or None,
         )
         if self.ranks.leader:
             self.link.close()

@@ -55,6 +55,7 @@ from ddiloco.core.codec import CodecSpec, encode_tensors
 from ddiloco.core.learner_state import Answer
 from ddiloco.errors import DDiLoCoError
 from ddiloco.runtime.processes import protocol
+from ddiloco.runtime.processes.learner.inbox import FragmentInbox
 from ddiloco.runtime.processes.learner.pending import Key, PendingAnswers
 from ddiloco.runtime.processes.transport.auth import HandshakeWatch, dial
 from ddiloco.runtime.processes.transport.ratelog import RateLimitedLog
@@ -66,7 +67,6 @@ from ddiloco.runtime.processes.transport.wire import (
     Part,
     Wire,
     WireError,
-    decode_update,
     payload_size,
 )
 
@@ -145,7 +145,7 @@ class SyncerLink(threading.Thread):
         self.outbox: queue.SimpleQueue[Outgoing] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._asks: dict[int, int] = {}
-        self._inbox: dict[int, tuple[int, list[Any]]] = {}
+        self.inbox = FragmentInbox(shapes, f"learner {learner}", self.wire.refused)
         self.pending = PendingAnswers(max_pending)  # until the syncer acknowledges each
         self.status: protocol.Hello | None = None  # what a hello says (training thread's)
         self.state = LinkState.UNREGISTERED  # changed by _enter only, under _changed
@@ -233,9 +233,7 @@ class SyncerLink(threading.Thread):
         return asks
 
     def take_inbox(self) -> dict[int, tuple[int, list[Any]]]:
-        with self._lock:
-            inbox, self._inbox = self._inbox, {}
-        return inbox
+        return dict(self.inbox.take())
 
     def request_peers(self, timeout: float) -> Peers:
         """Ask the syncer for the live peers' recovery addresses (used before training)."""
@@ -596,19 +594,8 @@ class SyncerLink(threading.Thread):
             self._send_answer(key)
 
     def _on_fragment(self, fragment: protocol.Fragment, h: Header, payload: memoryview) -> None:
-        p, version = h.fragment, fragment.version
-        if not 0 <= p < len(self.shapes):
-            self.wire.refused["meta"] += 1
+        if not self.inbox.put(h.fragment, fragment.version, payload):
             return
-        try:
-            values = decode_update(payload, self.shapes[p])
-        except WireError as exc:
-            log.warning("learner %d: refused fragment %d: %s", self.learner, p, exc)
-            return
-        with self._lock:
-            held = self._inbox.get(p)
-            if held is None or held[0] < version:
-                self._inbox[p] = (version, values)
         # merged answers, and older ones of the same life, fragment and base (superseded
         # or now "base already merged"), need no re-push
         for k in fragment.keys:

@@ -5,8 +5,12 @@ Every rank of a learner whose parameters are sharded answers its rows of each fr
 (:mod:`.link`), rank r's on this one, as ``L{m}r{r}`` (transport/auth.py's ``link_of``), so no
 rank gathers another's rows and each rank's NIC carries 1/R of the learner's answers. The
 syncer counts an answer only once all its parts came. The learner's life stays rank 0's
-(hello, progress, asks, liveness, merged fragments); this link only sends parts and hears
-their verdicts.
+(hello, progress, asks, liveness); this link sends parts and hears their verdicts, and
+receives this rank's rows of each merged fragment (syncer/broadcast.py): to a syncer life it
+has not spoken to it says which versions its learner holds (``part_hello``, once the engine
+knows them: after a copy or a resume, not before), and that life sends the rows of every
+newer fragment. The rows wait in its :class:`~.inbox.FragmentInbox`, the
+newest of each fragment, until the ranks agree to apply them (learner/sharded_engine.py).
 
 A thread, like the learner's link: the training thread hands it a part (never blocking), the
 thread encodes and sends it, and keeps it until the syncer's verdict on it (merged, or
@@ -32,6 +36,7 @@ from ddiloco.core.codec import CodecSpec, encode_tensors
 from ddiloco.core.learner_state import Answer
 from ddiloco.errors import DDiLoCoError
 from ddiloco.runtime.processes import protocol
+from ddiloco.runtime.processes.learner.inbox import FragmentInbox
 from ddiloco.runtime.processes.transport.auth import HandshakeWatch, dial
 from ddiloco.runtime.processes.transport.sockets import Socket, received
 from ddiloco.runtime.processes.transport.wire import Wire, WireError, payload_size
@@ -66,6 +71,7 @@ class PartLink(threading.Thread):
         rank: int,
         ranks: int,
         codec: CodecSpec,
+        shapes: list[list[tuple[int, ...]]],
         *,
         beat_seconds: float = 1.0,
         max_pending: int = 64,
@@ -75,12 +81,19 @@ class PartLink(threading.Thread):
         self.wire = wire
         self.learner, self.rank, self.ranks = learner, rank, ranks
         self.codec = codec
+        # the versions the learner holds, set by the engine once it knows them (after a
+        # copy, a resume or an apply): said to each syncer life, not before
+        self.versions: list[int] | None = None
+        # this rank's rows of each merged fragment (core/shards.py), the newest of each
+        self.inbox = FragmentInbox(shapes, f"learner {learner} rank {rank}", wire.refused)
+        self.hello_session: int | None = None  # the syncer life our versions were said to
         self.beat = beat_seconds
         self.max_pending = max_pending
         self.fatal: str | None = None
         self.pending: dict[Key, PendingPart] = {}  # (the thread's)
         self.syncer_session: int | None = None
         self.bytes_sent = 0
+        self.bytes_received = 0
         self.ctx: zmq.Context[Socket] = zmq.Context()
         self.sock: Socket | None = None
         self.watch: HandshakeWatch | None = None
@@ -120,6 +133,7 @@ class PartLink(threading.Thread):
                     self._handle(frames)
             while not self.outbox.empty():
                 self._add(self.outbox.get_nowait())
+            self._hello()
             if time.monotonic() - self.last_tx > self.beat:
                 self._send(protocol.Beat())
         self._disconnect()
@@ -179,9 +193,11 @@ class PartLink(threading.Thread):
             entry.session = self.syncer_session
 
     def _unsent(self) -> None:
-        """The syncer did not read what this connection sent before: every part again."""
+        """The syncer did not read what this connection sent before: every part again, and
+        the versions we hold."""
         for entry in self.pending.values():
             entry.session = None
+        self.hello_session = None
 
     def _resend(self) -> None:
         for entry in list(self.pending.values()):
@@ -194,6 +210,7 @@ class PartLink(threading.Thread):
         except WireError:
             return  # counted and logged by the wire
         h = msg.header
+        self.bytes_received += msg.payload.nbytes
         if h.sender != "S" or h.learner != self.learner or h.to != self.wire.session:
             self.wire.refused["misaddressed"] += 1
             return
@@ -210,9 +227,20 @@ class PartLink(threading.Thread):
             self._unsent()
         elif isinstance(message, protocol.Verdict):
             self.pending.pop(message.key, None)
+        elif isinstance(message, protocol.Fragment):
+            self.inbox.put(h.fragment, message.version, msg.payload)
         elif isinstance(message, protocol.Refused):
             self._fail(f"the syncer refused this rank's link: {message.why[:400]}")
             return
         if h.session != self.syncer_session:  # a syncer life we have not sent to
             self.syncer_session = h.session
+        self._hello()
         self._resend()
+
+    def _hello(self) -> None:
+        """Say the learner's versions to a syncer life we have not said them to."""
+        versions = self.versions
+        if versions is None or self.syncer_session in (None, self.hello_session):
+            return
+        if self._send(protocol.PartHello(self.rank, self.ranks, list(versions))):
+            self.hello_session = self.syncer_session

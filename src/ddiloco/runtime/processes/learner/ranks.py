@@ -61,18 +61,6 @@ def watch_agent(rank: int, every: float = 0.5) -> None:
     threading.Thread(target=watch, name="agent-watch", daemon=True).start()
 
 
-def _packed(pieces: Sequence[torch.Tensor], length: int, device: torch.device) -> torch.Tensor:
-    """``pieces`` flattened, one after the other, into one fp32 tensor of ``length`` (zeros
-    after them): the only copy they need to cross in one collective."""
-    out = torch.zeros(length, device=device)
-    at = 0
-    for piece in pieces:
-        n = piece.numel()
-        out[at : at + n] = piece.reshape(-1)
-        at += n
-    return out
-
-
 class RankGroup:
     """This process's place among its learner's data-parallel ranks. ``terminated`` is
     the learner's SIGTERM flag: a collective waiting on after it is taken as failed."""
@@ -249,26 +237,6 @@ class RankGroup:
         self._wait("ask broadcast", [dist.broadcast(head, 0, async_op=True)])
         values = head.tolist()
         return {values[1 + 2 * i]: values[2 + 2 * i] for i in range(int(size))}, bool(values[0])
-
-    def scatter_flat(
-        self, parts: Sequence[Sequence[torch.Tensor]] | None, sizes: Sequence[int]
-    ) -> torch.Tensor:
-        """This rank's part of rank 0's ``parts`` (one list of pieces per rank, rank order;
-        ``sizes``: every part's flat length, known to all), flat fp32: one scatter, each part
-        crossing once, to its rank only ."""
-        longest = max(sizes) if sizes else 0
-        if not self.active:
-            assert parts is not None
-            return _packed(parts[0], longest, self.device)
-        mine = torch.empty(longest, device=self.device)
-        if longest == 0:
-            return mine
-        chunks = None
-        if self.leader:
-            assert parts is not None
-            chunks = [_packed(part, longest, self.device) for part in parts]
-        self._wait("merged rows scatter", [dist.scatter(mine, chunks, 0, async_op=True)])
-        return mine[: sizes[self.rank]].cpu()
 
     def share_bytes(self, blob: bytes | None) -> bytes:
         """Rank 0's bytes (a recovered state) on every rank."""

@@ -6,19 +6,23 @@ its own rows of each fragment (core/shards.py's local plan). At each boundary ra
 reach every rank and every rank sends its rows of each answer itself, rank r on its own link
 (:mod:`.part_link`; rank 0's part carries the answer's metadata on the learner's link): the
 syncer puts the parts together, all or nothing (core/parts.py), and to it the learner is one
-learner. Of each merged fragment rank 0 receives, every rank gets only its rows (one
-scatter). Every rank serves its own rows to newcomers and saves its own local checkpoint
-(one file per rank, all at the same step); a newcomer's rank r copies rank r of one peer
-(learner/sharded.py). :func:`engine_for` picks this engine or the whole-parameter one by the
-replica's parameters.
+learner. Of each merged fragment every rank receives only its rows, on its own link
+(syncer/broadcast.py); at each boundary the ranks say which version of each fragment they
+hold and apply the ones all hold (:func:`agreed`), so every rank's rows move to the same
+version at the same step. Every rank serves its own rows to newcomers and saves its own
+local checkpoint (one file per rank, all at the same step); a newcomer's rank r copies rank
+r of one peer (learner/sharded.py). :func:`engine_for` picks this engine or the
+whole-parameter one by the replica's parameters.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import math
 import threading
+import time
+from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -26,8 +30,9 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from ddiloco.core.plans import FragmentPlan
-from ddiloco.core.shards import local_plan, split
+from ddiloco.core.shards import local_plan
 from ddiloco.errors import ConfigError
+from ddiloco.runtime.processes import protocol
 from ddiloco.runtime.processes.learner.engine import LearnerEngine, Replica, snapshot_refusal
 from ddiloco.runtime.processes.learner.local_checkpoint import (
     LEARNER_STATE,
@@ -82,8 +87,9 @@ class ShardedEngine(LearnerEngine):
     def __init__(self, setup: RunSetup, *args: Any, **options: Any) -> None:
         super().__init__(setup, *args, **options)
         world, rank = self.ranks.world, self.ranks.rank
-        self.rank_plans = [local_plan(setup.plan, world, r) for r in range(world)]
-        self.start_applies: list[Apply] = []  # the syncer's fragments rank 0 received
+        self.shapes = local_plan(setup.plan, world, rank).shapes()  # what the syncer sends us
+        self.link.inbox.shapes = self.shapes  # (rank 0's rows, on the learner's link)
+        self.held: dict[int, tuple[int, list[torch.Tensor]]] = {}  # p -> newest rows received
         self.due = False  # rank 0 says when a local checkpoint is due: every rank saves then
         self.parts: PartLink | None = None  # ranks >= 1: the link its answer parts go on
         self.parts_failed: list[int] = []  # ranks whose part link failed (the learner stops)
@@ -92,7 +98,7 @@ class ShardedEngine(LearnerEngine):
             wire = Wire(main.run, main.secret, link_name(self.m, rank), self.incarnation,
                         main.limits)  # fmt: skip
             self.parts = PartLink(self.link.address, wire, self.m, rank, world, self.link.codec,
-                                  beat_seconds=self.link.beat)  # fmt: skip
+                                  self.shapes, beat_seconds=self.link.beat)  # fmt: skip
         if self.saves.directory != Path("."):  # one save per rank, all at the same steps
             state_dir = self.saves.directory
             every = setup.config.processes.learner_checkpoint_every
@@ -105,6 +111,9 @@ class ShardedEngine(LearnerEngine):
 
     def rank_plan(self) -> FragmentPlan:
         return local_plan(self.setup.plan, self.ranks.world, self.ranks.rank)
+
+    def status(self) -> protocol.Hello:
+        return replace(super().status(), ranks=self.ranks.world)  # (each rank its rows)
 
     # -- life -------------------------------------------------------------------------------
     def start(self) -> bool:
@@ -133,14 +142,17 @@ class ShardedEngine(LearnerEngine):
             return False
         if flag == b"\x01":
             self.recover(kind="caught_up")
+        self.applied()  # (a fresh start's versions: each rank link says them now)
         self.up()
         return True
 
     def finish(self, why: str | None = None) -> None:
         """As the engine's, with each rank's bytes sent to the syncer (``learner_done``'s
-        ``rank_bytes_sent``), and the learner failing when a rank's part link did."""
-        sent = self.link.bytes_sent if self.parts is None else self.parts.bytes_sent
-        self.rank_bytes = [row[0] for row in self.ranks.all_ints([sent])]
+        ``rank_bytes_sent``, and received), and the learner failing when a rank's part link did."""
+        link = self.link if self.parts is None else self.parts
+        rows = self.ranks.all_ints([link.bytes_sent, link.bytes_received])
+        self.rank_bytes = [row[0] for row in rows]
+        self.rank_bytes_received = [row[1] for row in rows]
         super().finish(why)
         if self.parts_failed:
             raise ConfigError(
@@ -171,12 +183,10 @@ class ShardedEngine(LearnerEngine):
         (what to answer, whether to wait) are the same."""
         params = self.params()
         asks: dict[int, int] = {}
-        inbox: dict[int, tuple[int, list[Any]]] = {}
         final = stop = False
         if self.ranks.leader:
             final = self.link.finishing  # (set before a final ask is handed over)
             asks = self.link.take_asks()
-            inbox = self.link.take_inbox()
             stop = self.should_stop()
         asks, final = self.ranks.share_asks(asks, final)
         for answer in self.boundary.answers(asks, params, step_end, final):
@@ -184,9 +194,9 @@ class ShardedEngine(LearnerEngine):
                 self.link.push(answer, ranks=self.ranks.world)
             else:
                 self.parts.push(answer)
-        applies = [(p, v, vals) for p, (v, vals) in sorted(inbox.items())]
-        stop, rows = self.share_rows(stop, applies)
+        stop, rows = self.agree(stop)
         rebased = self.boundary.apply({p: (v, mine) for p, v, mine in rows}, params)
+        self.applied()
         # a snapshot if any rank's server was asked (every rank's rows at this one boundary);
         # a local save when rank 0's is due; a stop when a rank's part link failed
         failed = self.parts is not None and self.parts.fatal is not None
@@ -215,6 +225,7 @@ class ShardedEngine(LearnerEngine):
         optimizer = getattr(self.replica, "optimizer", None)
         trainer = global_tree(state["trainer"], self.replica.model, optimizer)
         super().adopt({**state, "trainer": trainer}, exact)
+        self.applied()  # (rows no newer than the adopted versions are of no use)
 
     def resume_local(self) -> bool:
         """Every rank: the newest step every rank has a local save of (a rank killed
@@ -283,44 +294,82 @@ class ShardedEngine(LearnerEngine):
         self.share_start_fragments()
 
     def take_fragments(self, applies: list[Apply]) -> None:
-        self.start_applies = applies  # (rank 0: every rank takes its rows of them next)
+        """Rank 0's rows of the syncer's fragments: held until every rank holds its own
+        (:meth:`share_start_fragments`)."""
+        for p, version, values in applies:
+            self.hold(p, version, values)
 
-    def share_start_fragments(self) -> None:
-        """Every rank takes the step and the global fragments rank 0 received from the
-        syncer (its rows of them), with its fresh optimizer."""
-        step = self.sync.step.to_bytes(8, "little") if self.ranks.leader else None
-        step_now = int.from_bytes(self.ranks.share_bytes(step), "little")
-        _, rows = self.share_rows(False, self.start_applies)
-        self.start_applies = []
-        self.sync.step = self.replica.steps = step_now
+    def share_start_fragments(self, wait_seconds: float = 30.0) -> None:
+        """Every rank takes the global step and the global fragments of rank 0's welcome:
+        each waits for its rows on its own link (for at most ``wait_seconds``, rank 0's
+        clock), then all apply the versions all hold, with their fresh optimizers. A
+        fragment some rank lacks by then is applied at a later boundary, said in the log."""
+        head = None
+        if self.ranks.leader:
+            welcome = self.link.welcome or protocol.Welcome(self.sync.step, [])
+            head = json.dumps([self.sync.step, *welcome.versions]).encode()
+        step, *wanted = json.loads(self.ranks.share_bytes(head))
+        self.applied()  # each rank link says the versions we hold: the syncer sends the rest
+        deadline = time.monotonic() + wait_seconds
+        while True:
+            self.take_inbox()
+            mine = all(self.held.get(p, (0, []))[0] >= v for p, v in enumerate(wanted) if v > 0)
+            rows = self.ranks.all_ints([int(mine), int(time.monotonic() > deadline)])
+            if all(row[0] for row in rows) or rows[0][1]:
+                break
+            time.sleep(0.02)
+        self.sync.step = self.replica.steps = int(step)
+        _, applies = self.agree(False)
         params = self.params()
-        for p, version, mine in rows:
-            self.sync.apply(p, version, mine, params)
+        for p, version, mine_rows in applies:
+            self.sync.apply(p, version, mine_rows, params)
+        self.applied()
+        short = [r for r, row in enumerate(rows) if not row[0]]
+        if short and self.ranks.leader:
+            log.warning(
+                "learner %d: rank(s) %s did not receive their rows of the global fragments "
+                "within %.0fs: those fragments are applied when every rank holds them",
+                self.m, short, wait_seconds,
+            )  # fmt: skip
 
-    def share_rows(self, stop: bool, applies: list[Apply]) -> tuple[bool, list[Apply]]:
-        """Rank 0's stop and merged fragments on every rank, each rank receiving only its
-        rows of each fragment (one scatter a fragment: no rank holds another's rows)."""
-        head = [int(stop), *(x for p, v, _ in applies for x in (p, v))]
-        shared = self.ranks.share_bytes(json.dumps(head).encode() if self.ranks.leader else None)
-        said = [int(x) for x in json.loads(shared)]
-        world, rank = self.ranks.world, self.ranks.rank
-        values = {p: vals for p, _, vals in applies}  # (rank 0's)
-        out: list[Apply] = []
-        for p, version in zip(said[1::2], said[2::2], strict=True):
-            sizes = [plan.fragments[p].numel for plan in self.rank_plans]
-            parts = None
-            if self.ranks.leader:
-                parts = [split(self.setup.plan, p, values[p], world, r) for r in range(world)]
-            mine = self.ranks.scatter_flat(parts, sizes)
-            out.append((p, version, unflat(mine, self.rank_plans[rank].shapes()[p])))
-        return bool(said[0]), out
+    # -- merged fragments, rank by rank -----------------------------------------------------
+    def hold(self, p: int, version: int, values: list[torch.Tensor]) -> None:
+        if version > self.held.get(p, (-1, []))[0]:
+            self.held[p] = (version, values)
+
+    def take_inbox(self) -> None:
+        """What this rank's link received (its rows of merged fragments), held."""
+        inbox = (self.link if self.parts is None else self.parts).inbox.take()
+        for p, (version, values) in inbox.items():
+            self.hold(p, version, values)
+
+    def agree(self, stop: bool) -> tuple[bool, list[Apply]]:
+        """Rank 0's stop on every rank, and the fragments to apply now: those every rank
+        holds at the same version (one all-gather of each rank's held versions)."""
+        self.take_inbox()
+        mine = [self.held[p][0] if p in self.held else -1 for p in range(len(self.shapes))]
+        rows = self.ranks.all_ints([int(stop), *mine])
+        applies = [(p, v, self.held.pop(p)[1]) for p, v in agreed([row[1:] for row in rows])]
+        return bool(rows[0][0]), applies
+
+    def applied(self) -> None:
+        """After an apply: rows of versions no newer than the applied ones are dropped, and
+        this rank's link knows the versions (it says them to a new syncer life)."""
+        for p in [p for p, (v, _) in self.held.items() if v <= self.sync.versions[p]]:
+            del self.held[p]
+        if self.parts is not None:
+            self.parts.versions = list(self.sync.versions)
 
 
-def unflat(values: torch.Tensor, shapes: list[tuple[int, ...]]) -> list[torch.Tensor]:
-    """A packed flat tensor (ranks.py) as the tensors of ``shapes`` (views of it)."""
-    out, at = [], 0
-    for shape in shapes:
-        n = math.prod(shape)
-        out.append(values[at : at + n].view(shape))
-        at += n
-    return out
+def agreed(held: Sequence[Sequence[int]]) -> list[tuple[int, int]]:
+    """``(fragment, version)`` for each fragment every rank holds at the same version
+    (``held``: each rank's held version per fragment, -1 for none). A rank behind (its
+    rows still on the way) holds it back a boundary; a rank that missed a version holds it
+    back until the next one reaches every rank (or the syncer resends it)."""
+    if not held:
+        return []
+    return [
+        (p, version)
+        for p, version in enumerate(held[0])
+        if version >= 0 and all(row[p] == version for row in held)
+    ]

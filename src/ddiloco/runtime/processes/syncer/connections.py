@@ -388,6 +388,8 @@ class Connections:
             return
         to = self.part_sessions.get((m, rank), 0)
         parts = self.wire.encode(kind, learner=m, inline=True, to=to, **kw)
+        with self._tally:
+            self.bytes_sent += payload_size(parts)
         self._pipe_out.send_multipart([route, *parts], copy=False)
 
     def _encode(self, m: int, kind: str, **kw: Any) -> list[Any] | None:

@@ -47,7 +47,6 @@ from typing import Any
 import torch
 
 from ddiloco.config import RunConfig
-from ddiloco.core.codec import encode_tensors
 from ddiloco.core.credit import StepBudget
 from ddiloco.core.ledger import CRASH, LEFT
 from ddiloco.core.parts import PartError
@@ -58,6 +57,7 @@ from ddiloco.errors import ConfigError, DDiLoCoError
 from ddiloco.runtime.processes import protocol
 from ddiloco.runtime.processes.syncer.actions import ActionGate
 from ddiloco.runtime.processes.syncer.attendance import Attendance
+from ddiloco.runtime.processes.syncer.broadcast import Broadcast
 from ddiloco.runtime.processes.syncer.checkpoints import checkpoint_writer
 from ddiloco.runtime.processes.syncer.connections import Connections, Incoming
 from ddiloco.runtime.processes.syncer.evaluator import Evaluator
@@ -166,6 +166,8 @@ class SyncerService:
             lambda m, rank, msg: self.conn.send_part(m, rank, msg.KIND, meta=msg.meta()),
             self.counts,
         )
+        # merged fragments to every learner; to a sharded one, each rank its rows on its link
+        self.broadcast = Broadcast(self.plan, sync.codec.broadcast_spec(), self.send_rows)
         self.status = StatusBoard(run_id)
         self.actions = ActionGate(secret, self.config.processes)
         self.evaluator = Evaluator(setup, events, on_eval=self.status.evaluated)
@@ -183,6 +185,7 @@ class SyncerService:
         self.bytes_received = 0
         self.resent = Throttle(1.0)  # (learner, fragment): a fragment sent again
         self.asked_again = Throttle(0.2)  # ... asked again in a final round
+        self.rank_hellos = Throttle(1.0)  # (learner, rank): a rank link caught up
         self.next_eval = self.tokens
         self.last_beat = 0.0
         self.stop = stop or threading.Event()  # set (SIGTERM): end the run now, with a summary
@@ -194,6 +197,7 @@ class SyncerService:
             "progress": self.on_progress,
             "answer": self.on_answer,
             "answer_part": self.on_answer_part,
+            "part_hello": self.on_part_hello,
             "bye": self.on_bye,
             "beat": self.on_beat,
         }
@@ -348,6 +352,9 @@ class SyncerService:
         rank 0's."""
         if msg.rank:
             self.bytes_received += msg.payload.nbytes
+            if msg.kind == protocol.PartHello.KIND:
+                self.rank_hello(msg)
+                return
             whole = self.parts.receive(msg, self.conn.refuse)
             if whole is not None:
                 self.take_answer(msg.learner, *whole, None)
@@ -381,6 +388,7 @@ class SyncerService:
             self.send(m, protocol.Refused(why))
             return
         step = self.bounded_step(m, hello.step)
+        self.broadcast.hello(m, hello.ranks)  # (before its first fragment, below)
         now = self.events.now()
         self.totals.start(m, inc, from_zero=self.ledger.lives.get(m) != inc)
         self.ledger.joined(m, inc, step, versions)  # a new life: what the old one held is lost
@@ -580,6 +588,10 @@ class SyncerService:
         on their ranks' links (:meth:`rank_link`)."""
         self.conn.refuse("refused_part", m, f"rank {part.rank}'s part on learner {m}'s own link")
 
+    def on_part_hello(self, m: int, hello: protocol.PartHello, _: memoryview) -> None:
+        """A rank's hello on the learner's own link: it belongs on the rank's link."""
+        self.conn.refuse("refused_part", m, f"rank {hello.rank}'s hello on learner {m}'s own link")
+
     def ask_again(self, m: int, p: int) -> None:
         """A final round still owed an answer by ``m``, whose answer was on an old base: ask
         again once the merged fragment has had time to arrive (at most every 0.2 s)."""
@@ -661,10 +673,35 @@ class SyncerService:
         tensors: list[torch.Tensor],
         keys: list[tuple[int, int, int]],
     ) -> int:
-        payload = encode_tensors(tensors, self.setup.method.sync.codec.broadcast_spec())
-        for m in to:
-            self.send(m, protocol.Fragment(version, keys), fragment=p, payload=payload)
-        return len(payload)
+        """Fragment ``p`` to the learners ``to`` (a sharded one rank by rank, :mod:`.broadcast`);
+        the bytes one learner receives."""
+        return self.broadcast.fragment(to, p, version, tensors, keys)
+
+    def send_rows(
+        self, m: int, rank: int, message: protocol.Message, payload: bytes, p: int
+    ) -> None:
+        """One frame of a broadcast on learner ``m``'s link of rank ``rank`` (0: its own)."""
+        if rank == 0:
+            self.send(m, message, fragment=p, payload=payload)
+        else:
+            self.conn.send_part(m, rank, message.KIND, meta=message.meta(), fragment=p,
+                                payload=payload)  # fmt: skip
+
+    def rank_hello(self, msg: Incoming) -> None:
+        """A sharded learner's rank link, new to this syncer life, says which versions its
+        learner holds: its rows of each newer fragment (at most once a second a rank)."""
+        m, rank = msg.learner, msg.rank
+        try:
+            hello = protocol.PartHello.parse(msg.meta, self.plan.num_fragments)
+            if hello.rank != rank:
+                raise ConfigError("meta.rank", hello.rank, f"on rank {rank}'s link")
+        except DDiLoCoError as exc:
+            self.conn.refuse("refused_part", m, f"rank {rank}'s hello: {exc}")
+            return
+        if self.rank_hellos.ready((m, rank)):
+            fragments = self.syncer.fragments
+            if self.broadcast.catch_up(m, hello, self.syncer.versions, fragments):
+                self.counts["rank_caught_up"] += 1
 
     # -- liveness, evaluation, the end -----------------------------------------------------
     def check_liveness(self, now: float) -> None:
