@@ -26,6 +26,7 @@ OPTIMIZERS = ("adamw", "sgd")
 SCHEDULES = ("cosine", "linear", "constant")
 PRECISIONS = ("auto", "fp32", "bf16")
 PARALLELS = ("ddp", "fsdp")  # how a learner of several ranks spreads over them
+MAX_MMAP_THRESHOLD = 32 << 20  # glibc's largest mmap threshold (HEAP_MAX_SIZE / 2, 64-bit)
 _HOST_NAME = re.compile(r"[A-Za-z0-9]([A-Za-z0-9.-]{0,251}[A-Za-z0-9])?\.?")  # processes.http_hosts
 
 
@@ -198,6 +199,10 @@ class ProcessesConfig:
     max_restarts: int = 5  # failed starts in a row of one process before the launcher gives up
     restart_backoff_cap_seconds: float = 30.0  # restart delays double up to this
     learner_checkpoint_every: float = 60.0  # seconds between a learner's local checkpoints (0: off)
+    # glibc: a learner's allocations of at least this many bytes get mappings of their own,
+    # returned when freed (its all-gather, attention and MLP buffers), the rest come from the
+    # heap; 0: glibc's sliding threshold (up to 32 MiB, whose freed buffers stay resident)
+    learner_mmap_threshold: int = 8 << 20
     # at the budget every live learner pauses and is asked for every fragment once more; the
     # final rounds merge when all answered, or after this long with what came (0: no final
     # rounds: what the learners trained since their last merged answers is thrown away)
@@ -229,6 +234,12 @@ class ProcessesConfig:
             )
         require(self.max_restarts >= 0, "processes.max_restarts", self.max_restarts, ">= 0")
         require(0 <= self.peer_port <= 65535, "processes.peer_port", self.peer_port, "0..65535")
+        require(
+            0 <= self.learner_mmap_threshold <= MAX_MMAP_THRESHOLD,
+            "processes.learner_mmap_threshold",
+            self.learner_mmap_threshold,
+            f"bytes in 0..{MAX_MMAP_THRESHOLD} (glibc's limit; 0: its own sliding threshold)",
+        )
         for name in (
             "restart_delay_seconds",
             "detect_seconds",

@@ -182,3 +182,11 @@ def test_a_bare_word_where_a_list_goes_gets_the_list_form_as_a_hint():
     with pytest.raises(ConfigError, match=r"not a TOML list \(.*at column 2\)\); strings in a"):
         load_config(None, ["methods=[decoupled"])  # no fix to offer: the why only
     assert load_config(None, ["name=plain words"]).name == "plain words"  # still a string
+
+
+def test_a_learners_mmap_threshold_beyond_glibcs_limit_or_negative_is_refused_by_name():
+    assert load_config().processes.learner_mmap_threshold == 8 << 20
+    assert load_config(None, ["processes.learner_mmap_threshold=0"])  # glibc's own
+    for bad in (-1, (32 << 20) + 1):
+        with pytest.raises(ConfigError, match=r"processes\.learner_mmap_threshold"):
+            load_config(None, [f"processes.learner_mmap_threshold={bad}"])

@@ -89,6 +89,7 @@ def run(args: argparse.Namespace) -> int:
     from ddiloco.report.progress import terminal_sink
     from ddiloco.runtime.processes.learner.process import LearnerProcess
     from ddiloco.runtime.processes.learner.ranks import RankGroupFailed
+    from ddiloco.runtime.processes.memory import give_back_freed_memory
     from ddiloco.runtime.run import RunSetup
 
     require((args.id is None) == args.spare, "--id", args.id, "give a slot, or --spare (not both)")
@@ -99,6 +100,8 @@ def run(args: argparse.Namespace) -> int:
     logging.getLogger("ddiloco").setLevel(logging.INFO)  # ours: a peer copy's progress lines
     parse_address(args.syncer, "--syncer")
     config = load_config(args.config, list(args.set))
+    if config.processes.learner_mmap_threshold:  # before the model: its big buffers given back
+        give_back_freed_memory(config.processes.learner_mmap_threshold)
     torch.set_num_threads(config.processes.threads)  # before the model and data are built
     entry = args.entry or config.train.entry
     if entry:  # the user's function is found (or refused) before anything is built

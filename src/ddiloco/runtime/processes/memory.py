@@ -7,7 +7,11 @@ merges, a syncer's fragment-sized answers, payloads and temporaries came from th
 the memory they left stayed in its resident set (a gpt-50m syncer ended a run at 952 MiB
 where 680 MiB were in use, issue 28). A fixed threshold keeps them mapped, so each is given
 back when freed, at the cost of fresh pages (page faults) for each new one: right for the
-syncer, whose buffers are a fragment or more, not for a learner's many activations.
+syncer, whose buffers are a fragment or more (1 MiB). A learner's many activations would
+pay that cost every step (1 MiB: steps +11% DDP, +32% FSDP at a 201M GPT on CPU), so a
+learner fixes it higher (``processes.learner_mmap_threshold``, 8 MiB): its all-gather,
+attention and MLP buffers are mapped and given back, its small activations reuse the heap
+(the same run: ranks' peaks -400 MiB DDP, -560 MiB FSDP, steps unchanged; BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ log = logging.getLogger(__name__)
 
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter (malloc.h)
 SYNCER_THRESHOLD = 1 << 20  # blocks of 1 MiB or more: their own mapping, returned when freed
+# (a learner's: processes.learner_mmap_threshold, config.py)
 
 
 def give_back_freed_memory(threshold: int = SYNCER_THRESHOLD) -> bool:
