@@ -57,7 +57,7 @@ from ddiloco.errors import DDiLoCoError
 from ddiloco.runtime.processes import protocol
 from ddiloco.runtime.processes.learner.inbox import FragmentInbox
 from ddiloco.runtime.processes.learner.pending import Key, PendingAnswers
-from ddiloco.runtime.processes.transport.auth import HandshakeWatch, dial
+from ddiloco.runtime.processes.transport.auth import HandshakeWatch, dial, hang_up
 from ddiloco.runtime.processes.transport.ratelog import RateLimitedLog
 from ddiloco.runtime.processes.transport.sockets import Backoff, Socket, received
 from ddiloco.runtime.processes.transport.wire import (
@@ -356,12 +356,7 @@ class SyncerLink(threading.Thread):
         self.last_rx = time.monotonic()
 
     def _disconnect(self) -> None:
-        if self.watch is not None:
-            self.watch.close()
-            self.watch = None
-        if self.sock is not None:
-            self.sock.close(0)
-            self.sock = None
+        self.sock, self.watch = hang_up(self.sock, self.watch)
 
     def _reconnect(self, why: str) -> None:
         """The syncer went silent, or the connection closed: drop the socket (and whatever

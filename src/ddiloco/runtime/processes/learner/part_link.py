@@ -37,7 +37,7 @@ from ddiloco.core.learner_state import Answer
 from ddiloco.errors import DDiLoCoError
 from ddiloco.runtime.processes import protocol
 from ddiloco.runtime.processes.learner.inbox import FragmentInbox
-from ddiloco.runtime.processes.transport.auth import HandshakeWatch, dial
+from ddiloco.runtime.processes.transport.auth import HandshakeWatch, dial, hang_up
 from ddiloco.runtime.processes.transport.sockets import Socket, received
 from ddiloco.runtime.processes.transport.wire import Wire, WireError, payload_size
 
@@ -147,12 +147,7 @@ class PartLink(threading.Thread):
         self.sock, self.watch = dial(self.ctx, w.limits, w.secret, w.run, w.sender, self.address)
 
     def _disconnect(self) -> None:
-        if self.watch is not None:
-            self.watch.close()
-            self.watch = None
-        if self.sock is not None:
-            self.sock.close(0)
-            self.sock = None
+        self.sock, self.watch = hang_up(self.sock, self.watch)
 
     def _send(self, message: protocol.Message, **kw: object) -> bool:
         assert self.sock is not None

@@ -389,3 +389,13 @@ def dial(
     watch = HandshakeWatch(sock, address)
     sock.connect(f"tcp://{address}")
     return sock, watch
+
+
+def hang_up(sock: zmq.Socket[bytes] | None, watch: HandshakeWatch | None) -> tuple[None, None]:
+    """Close what :func:`dial` opened (the watch first; either may be None already), for
+    ``sock, watch = hang_up(sock, watch)``."""
+    if watch is not None:
+        watch.close()
+    if sock is not None:
+        sock.close(0)
+    return None, None
