@@ -202,12 +202,15 @@ def processes_run(overrides: list[str], out: Path, timeline: bool) -> dict[str, 
     def poll() -> None:
         while not stop.is_set():
             shm_peak[0] = max(shm_peak[0], shm_bytes(others))
-            for pid in descendants(proc.pid):
+            children = descendants(proc.pid)
+            for pid in [proc.pid, *children]:  # the launcher too
                 kib = status_kib(pid)
                 if not kib:
                     continue
                 seen = polled.setdefault(pid, {"argv": cmdline(pid), "samples": []})
                 seen["VmHWM"] = max(seen.get("VmHWM", 0), kib.get("VmHWM", 0))
+                if children:  # what each holds while the run's processes live
+                    seen["held"] = max(seen.get("held", 0), kib.get("VmRSS", 0))
                 if timeline:
                     seen["samples"].append((round(time.monotonic() - started, 2), kib["VmRSS"]))
             stop.wait(0.1)
@@ -222,11 +225,17 @@ def processes_run(overrides: list[str], out: Path, timeline: bool) -> dict[str, 
     peaks: dict[str, dict[str, Any]] = {}
     for pid, seen in polled.items():
         name = role(seen["argv"])
-        peaks[f"{name} ({pid})"] = {"VmHWM": seen["VmHWM"], "samples": seen["samples"]}
+        peaks[f"{name} ({pid})"] = {
+            "VmHWM": seen["VmHWM"],
+            "held": seen.get("held", 0),
+            "samples": seen["samples"],
+        }
     for path in hwm.glob("*.json"):
         rec = json.loads(path.read_text())
-        name = f"{role(rec['argv'])} ({rec['pid']})"
-        held = peaks.setdefault(name, {"VmHWM": 0, "samples": []})
+        # (the row the poller made for this pid, whose argv reads other than the hook's)
+        polled_name = [k for k in peaks if k.endswith(f" ({rec['pid']})")]
+        name = polled_name[0] if polled_name else f"{role(rec['argv'])} ({rec['pid']})"
+        held = peaks.setdefault(name, {"VmHWM": 0, "held": 0, "samples": []})
         held["VmHWM"] = max(held["VmHWM"], rec.get("VmHWM", 0))
         held["at_exit"] = True
     return {"peaks": peaks, "seconds": time.monotonic() - started, "shm": shm_peak[0]}
@@ -295,8 +304,9 @@ def main() -> None:
                 f"| {name} | {value:.0f} | {value / fp32:.2f} x fp32 model; above the runtime: "
                 f"{net:.2f} x | <= 3 |"
             )
-        else:
-            print(f"| {name} | {value:.0f} | | |")
+        else:  # the launcher: its peak is its pre-flight step, before any child starts
+            held = peak["held"] * mib
+            print(f"| {name} | {value:.0f}; held while the run's processes lived: {held:.0f} | | |")
     print(f"| /dev/shm slots of the run (in no process's RSS) | {run['shm'] / 2**20:.0f} | | |")
     if args.timeline:
         for name, peak in sorted(run["peaks"].items()):

@@ -22,6 +22,7 @@ import ddiloco.kernels as kernels
 from ddiloco.core.codec import (
     CODECS,
     CodecSpec,
+    PackedTensors,
     decode,
     decode_tensors,
     encode,
@@ -106,6 +107,37 @@ def test_a_bundle_streamed_tensor_by_tensor_is_the_same_bytes(name, shapes, bloc
     spec = CodecSpec(name, block)
     xs = [_tensor(shape, seed + i, 0.0) for i, shape in enumerate(shapes)]
     assert b"".join(encode_tensors_chunks(xs, spec)) == encode_tensors(xs, spec)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    name=st.sampled_from(CODECS),
+    shapes=st.lists(shapes_st, min_size=0, max_size=4),
+    block=block_st,
+    seed=st.integers(0, 2**16),
+)
+def test_a_packed_bundle_reads_each_tensor_as_decode_tensors_gives_it(name, shapes, block, seed):
+    payload = encode_tensors([_tensor(s, seed + i, 0.0) for i, s in enumerate(shapes)],
+                             CodecSpec(name, block))  # fmt: skip
+    packed = PackedTensors(payload, expected_shapes=[tuple(s) for s in shapes])
+    whole = decode_tensors(payload)
+    assert len(packed) == len(whole) and packed.shapes == [tuple(s) for s in shapes]
+    for i, t in enumerate(whole):  # the same bits, a fresh tensor at every read
+        assert torch.equal(packed[i], t) and packed[i] is not packed[i]
+    assert all(torch.equal(a, b) for a, b in zip(packed[1:], whole[1:], strict=True))
+    assert packed.nbytes == len(payload)
+
+
+def test_a_packed_bundle_is_checked_whole_when_it_is_made():
+    payload = encode_tensors([torch.ones(4, 3), torch.ones(5)], CodecSpec("bf16"))
+    with pytest.raises(CodecError, match="shape"):
+        PackedTensors(payload, expected_shapes=[(4, 3), (6,)])
+    with pytest.raises(CodecError, match="count"):
+        PackedTensors(payload, expected_shapes=[(4, 3)])
+    with pytest.raises(CodecError, match="length"):
+        PackedTensors(payload[:-1])
+    with pytest.raises(CodecError, match="magic"):
+        PackedTensors(b"XXXX" + payload[4:])
 
 
 @settings(max_examples=60, deadline=None)

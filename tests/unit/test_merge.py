@@ -9,6 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ddiloco.core.codec import CodecSpec, PackedTensors, encode_tensors
 from ddiloco.core.merge import merge, radial_directional_average, token_weight, weighted_mean
 from ddiloco.errors import ConfigError
 
@@ -138,3 +139,15 @@ def test_unknown_rule_and_bad_mask():
         merge([[torch.ones(2)]], [1.0], rule="median")
     with pytest.raises(ConfigError, match="plain_mask"):
         merge([[torch.ones(2)]], [1.0], plain_mask=[True, False])
+
+
+@pytest.mark.parametrize("rule", ["rda", "mean"])
+def test_updates_kept_encoded_merge_to_the_same_bits_as_decoded_ones(rule):
+    decoded = [[t.bfloat16().float() for t in u] for u in _updates(3, [(7, 5), (9,)], seed=4)]
+    packed = [PackedTensors(encode_tensors(u, CodecSpec("bf16"))) for u in decoded]
+    want = merge(decoded, [1.0, 0.0, 3.0], rule, plain_mask=[False, True])
+    got = merge(packed, [1.0, 0.0, 3.0], rule, plain_mask=[False, True])
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    odd = PackedTensors(encode_tensors([torch.ones(7, 5), torch.ones(8)], CodecSpec("bf16")))
+    with pytest.raises(ConfigError, match=r"updates\[1\]\[1\].shape"):
+        merge([packed[0], odd], [1.0, 1.0], rule)

@@ -9,6 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ddiloco.core.codec import CodecSpec, PackedTensors, encode_tensors
 from ddiloco.core.fragments import gather, scatter
 from ddiloco.core.learner_state import APPLY_RULES, LearnerSync
 from ddiloco.core.ledger import TokenLedger
@@ -52,6 +53,39 @@ def test_single_learner_with_lr_one_sgd_lands_exactly_on_the_learner():
     assert result.version == 1 and result.weights == {0: 100.0 * 100.0}
     for got, want in zip(result.tensors, gather(syncer.plan, p, learner), strict=True):
         torch.testing.assert_close(got, want)
+
+
+def test_an_answer_held_encoded_merges_to_the_bits_of_one_held_decoded():
+    results = []
+    for packed in (False, True):
+        syncer = _syncer(k=2)
+        for m in (0, 1):
+            syncer.join(m)
+        opened = [*syncer.on_progress(0, 1, now=0.0, step_seconds=1.0),
+                  *syncer.on_progress(1, 1, now=0.0, step_seconds=1.0)]  # fmt: skip
+        rnd = opened[0]
+        for m in (0, 1):
+            g = torch.Generator().manual_seed(m)
+            delta = [torch.randn(t.shape, generator=g).bfloat16().float()
+                     for t in syncer.fragments[rnd.fragment]]  # fmt: skip
+            keep = PackedTensors(encode_tensors(delta, CodecSpec("bf16"))) if packed else None
+            meta = AnswerMeta(m, 0, 0, rnd.fragment, rnd.round_id, 0, 1, 1, 100 + m)
+            assert syncer.on_answer(meta, delta, now=0.1, keep=keep) is Verdict.ACCEPTED
+            assert not packed or syncer.held[meta.key].delta is keep
+        (result,) = syncer.poll(now=0.1)
+        results.append([t.clone() for t in result.tensors])
+    assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
+
+
+def test_what_is_kept_in_place_of_a_delta_must_have_its_tensors():
+    syncer = _syncer()
+    syncer.join(0)
+    (rnd,) = syncer.on_progress(0, 1, now=0.0)
+    delta = [torch.zeros(t.shape) for t in syncer.fragments[rnd.fragment]]
+    meta = AnswerMeta(0, 0, 0, rnd.fragment, rnd.round_id, 0, 1, 1, 10)
+    with pytest.raises(ConfigError, match="keep"):
+        syncer.on_answer(meta, delta, now=0.0, keep=PackedTensors(encode_tensors([], CodecSpec())))
+    assert syncer.open_rounds[rnd.fragment].answers == {}
 
 
 @pytest.mark.parametrize("share", [True, False])

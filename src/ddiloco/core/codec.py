@@ -442,6 +442,43 @@ def decode_tensors(
 ) -> list[torch.Tensor]:
     """Decode a bundle from :func:`encode_tensors`; every length and shape is checked."""
     _check_backend(backend)
+    return [_decode_parsed(p, None, backend) for p in _parse_bundle(payload, expected_shapes)]
+
+
+class PackedTensors(Sequence[torch.Tensor]):
+    """A bundle of :func:`encode_tensors` kept encoded, each tensor decoded (a new fp32
+    tensor, the values :func:`decode_tensors` gives) when it is read. An answer waiting for
+    its round holds its bytes as they came, bf16 half and int4 an eighth of fp32, and the
+    merge decodes one tensor of each answer at a time (issue 28). Checked as a whole here."""
+
+    def __init__(
+        self,
+        payload: bytes,
+        *,
+        expected_shapes: Sequence[tuple[int, ...]] | None = None,
+        backend: Backend = "auto",
+    ) -> None:
+        _check_backend(backend)
+        self.nbytes = len(payload)
+        self._parsed = _parse_bundle(payload, expected_shapes)
+        self._backend = backend
+
+    def __len__(self) -> int:
+        return len(self._parsed)
+
+    def __getitem__(self, i):  # type: ignore[no-untyped-def]  # (Sequence's two overloads)
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        return _decode_parsed(self._parsed[i], None, self._backend)
+
+    @property
+    def shapes(self) -> list[tuple[int, ...]]:
+        return [p.dims for p in self._parsed]
+
+
+def _parse_bundle(
+    payload: bytes | bytearray | memoryview, expected_shapes: Sequence[tuple[int, ...]] | None
+) -> list[_Parsed]:
     mv = _as_bytes(payload)
     if len(mv) < _BUNDLE.size:
         raise CodecError("length", len(mv), f"shorter than the {_BUNDLE.size}-byte header")
@@ -465,5 +502,4 @@ def decode_tensors(
     if pos != len(mv):
         raise CodecError("length", len(mv), f"{len(mv) - pos} trailing bytes after the bundle")
     shapes = expected_shapes if expected_shapes is not None else [None] * count
-    parsed = [_parse(p, s) for p, s in zip(parts, shapes, strict=True)]
-    return [_decode_parsed(p, None, backend) for p in parsed]
+    return [_parse(p, s) for p, s in zip(parts, shapes, strict=True)]

@@ -75,12 +75,17 @@ def merge(
         len(norms) != len(updates) or any(len(n) != num_tensors for n in norms)
     ):
         raise ConfigError("norms", len(norms), "need one norm per tensor per update")
-    if out is not None:
-        _check_out(out, kept[0])
+    if out is not None and len(out) != num_tensors:
+        raise ConfigError("out", len(out), f"need one workspace tensor per tensor ({num_tensors})")
     result = []
-    for i in range(num_tensors):
-        column = [u[i] for u in kept]
+    for i in range(num_tensors):  # one tensor of every update at a time (each may be
+        # decoded only now: a held answer keeps its wire bytes, core/codec.PackedTensors)
+        column = _column(updates, i, keep)
         dst = torch.empty_like(column[0], dtype=torch.float32) if out is None else out[i]
+        if dst.shape != column[0].shape or dst.dtype != torch.float32:
+            raise ConfigError(
+                f"out[{i}]", (tuple(dst.shape), dst.dtype), "need float32 of the input shape"
+            )
         if rule == "mean" or mask[i]:
             result.append(_weighted_mean_tensor(column, norm_weights, dst, scale))
         else:
@@ -133,28 +138,24 @@ def _validate(updates: Sequence[Sequence[torch.Tensor]], weights: Sequence[float
             raise ConfigError(
                 f"updates[{m}]", len(update), f"expected {len(reference)} tensors like updates[0]"
             )
-        for i, (t, ref) in enumerate(zip(update, reference, strict=True)):
-            if t.shape != ref.shape:
-                raise ConfigError(
-                    f"updates[{m}][{i}].shape", tuple(t.shape), f"expected {tuple(ref.shape)}"
-                )
-            if not t.is_floating_point():
-                raise ConfigError(f"updates[{m}][{i}].dtype", t.dtype, "expected a float tensor")
     if float(sum(weights)) <= 0.0:
         raise ConfigError("weights", list(weights), "at least one weight must be positive")
     return [m for m, w in enumerate(weights) if w > 0.0]
 
 
-def _check_out(out: Sequence[torch.Tensor], reference: Sequence[torch.Tensor]) -> None:
-    if len(out) != len(reference):
-        raise ConfigError(
-            "out", len(out), f"need one workspace tensor per tensor ({len(reference)})"
-        )
-    for i, (o, r) in enumerate(zip(out, reference, strict=True)):
-        if o.shape != r.shape or o.dtype != torch.float32:
+def _column(
+    updates: Sequence[Sequence[torch.Tensor]], i: int, keep: Sequence[int]
+) -> list[torch.Tensor]:
+    """Tensor ``i`` of the kept updates, every update's checked against the first's."""
+    tensors = [u[i] for u in updates]
+    for m, t in enumerate(tensors):
+        if t.shape != tensors[0].shape:
             raise ConfigError(
-                f"out[{i}]", (tuple(o.shape), o.dtype), "need float32 of the input shape"
+                f"updates[{m}][{i}].shape", tuple(t.shape), f"expected {tuple(tensors[0].shape)}"
             )
+        if not t.is_floating_point():
+            raise ConfigError(f"updates[{m}][{i}].dtype", t.dtype, "expected a float tensor")
+    return [tensors[m] for m in keep]
 
 
 def _weighted_mean_tensor(

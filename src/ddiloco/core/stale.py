@@ -101,7 +101,7 @@ def anchor_answers(
     p: int,
     version: int,
     bases: Sequence[int],
-    deltas: list[list[torch.Tensor]],
+    deltas: list[Sequence[torch.Tensor]],
     norms: list[list[float]],
     only: Sequence[bool] | None = None,
 ) -> list[bool]:

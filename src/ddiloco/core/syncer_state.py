@@ -154,7 +154,7 @@ class Held:
     """An accepted answer waiting for its merge: its delta, its tensors' norms (computed
     once, on arrival) and, under robust merging, its pace (norm / sqrt(credited steps))."""
 
-    delta: list[torch.Tensor]
+    delta: Sequence[torch.Tensor]  # (a list, or the wire's bytes: :class:`PackedTensors`)
     norms: list[float]
     pace: float | None = None
 
@@ -294,10 +294,23 @@ class SyncerState:
         """After :meth:`finish`: every final round has closed."""
         return self._policy.finishing and not self._policy.open
 
-    def on_answer(self, meta: AnswerMeta, delta: Sequence[torch.Tensor], now: float) -> Verdict:
-        """A learner's decoded answer: ``delta`` = theta_learner - Theta_base, per slice."""
+    def on_answer(
+        self,
+        meta: AnswerMeta,
+        delta: Sequence[torch.Tensor],
+        now: float,
+        *,
+        keep: Sequence[torch.Tensor] | None = None,
+    ) -> Verdict:
+        """A learner's decoded answer: ``delta`` = theta_learner - Theta_base, per slice.
+        ``keep``: what to hold until the merge in place of ``delta``, the same values in a
+        smaller form, read one tensor at a time (the answer's bytes as they came,
+        :class:`~ddiloco.core.codec.PackedTensors`: an answer waiting for its round then
+        costs the syncer its encoded size, not fp32; issue 28)."""
         meta.validate(self.plan.num_fragments)
         self._check_delta(meta.fragment, delta)
+        if keep is not None and len(keep) != len(delta):
+            raise ConfigError("keep", len(keep), f"the delta has {len(delta)} tensors")
         norms: list[float] | None = None
         rate = 0.0
         if self.config.robust.enabled and self._policy.screen(meta) is Verdict.ACCEPTED:
@@ -319,7 +332,8 @@ class SyncerState:
         self._count(verdict.value)
         if verdict in (Verdict.ACCEPTED, Verdict.WAITING):
             computed = norms if norms is not None else tensor_norms(delta)
-            self.held[meta.key] = Held(list(delta), computed, rate if norms is not None else None)
+            kept = list(delta) if keep is None else keep
+            self.held[meta.key] = Held(kept, computed, rate if norms is not None else None)
         elif verdict is not Verdict.DUPLICATE and self.ledger is not None:
             self.ledger.wasted_answer(meta.key, verdict.value)
         self._apply_events()
@@ -460,7 +474,7 @@ class SyncerState:
         p: int,
         closed: ClosedRound,
         weights: Sequence[float],
-        deltas: list[list[torch.Tensor]],
+        deltas: list[Sequence[torch.Tensor]],
         norms: list[list[float]],
         paces: list[float | None],
     ) -> list[float]:

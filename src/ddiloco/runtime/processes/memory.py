@@ -27,19 +27,39 @@ SYNCER_THRESHOLD = 1 << 20  # blocks of 1 MiB or more: their own mapping, return
 # (a learner's: processes.learner_mmap_threshold, config.py)
 
 
+def _libc() -> ctypes.CDLL | None:
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return None
+    try:
+        return ctypes.CDLL(name)
+    except OSError:
+        return None
+
+
 def give_back_freed_memory(threshold: int = SYNCER_THRESHOLD) -> bool:
     """Fix glibc's mmap threshold at ``threshold`` bytes; False where that is not glibc
     (musl, macOS: nothing to do, nothing changes)."""
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return False
-    try:
-        libc = ctypes.CDLL(name)
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
+    libc = _libc()
+    mallopt = getattr(libc, "mallopt", None)
+    if mallopt is None:
         return False
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     mallopt.restype = ctypes.c_int
     done = bool(mallopt(M_MMAP_THRESHOLD, threshold))
     log.debug("mmap threshold fixed at %d bytes: %s", threshold, done)
     return done
+
+
+def trim_heap() -> bool:
+    """Give the heap's free pages back now (glibc's ``malloc_trim``); False where that is not
+    glibc. For a process done with a big transient job that lives on: the launcher after its
+    pre-flight step of the model kept 655 of its 950 MiB peak for the whole run (gpt-50m),
+    260 MiB once trimmed (issue 28)."""
+    trim = getattr(_libc(), "malloc_trim", None)
+    if trim is None:
+        return False
+    trim.argtypes = [ctypes.c_size_t]
+    trim.restype = ctypes.c_int
+    trim(0)
+    return True

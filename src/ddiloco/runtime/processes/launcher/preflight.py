@@ -13,6 +13,7 @@ gpt-1m on 2 CPU cores, most of it splitting the corpus.
 
 from __future__ import annotations
 
+import gc
 import os
 import time
 from dataclasses import dataclass, replace
@@ -21,6 +22,7 @@ from ddiloco.config import RunConfig
 from ddiloco.core.shards import local_plan
 from ddiloco.runtime.contract import assemble, check_contract
 from ddiloco.runtime.processes.launcher.devices import assign_gpus, visible_gpus
+from ddiloco.runtime.processes.memory import trim_heap
 
 
 @dataclass(frozen=True)
@@ -30,8 +32,19 @@ class Report:
 
 
 def check(config: RunConfig, method: str = "decoupled") -> Report:
-    """Raise a :class:`DDiLoCoError` naming why ``config`` cannot train as processes."""
+    """Raise a :class:`DDiLoCoError` naming why ``config`` cannot train as processes. The
+    model and data it built are given back to the system before it returns: the launcher
+    lives as long as the run (issue 28)."""
     started = time.monotonic()
+    try:
+        seq_len = _check(config, method)
+    finally:
+        gc.collect()
+        trim_heap()
+    return Report(seq_len, time.monotonic() - started)
+
+
+def _check(config: RunConfig, method: str) -> int:
     if config.runtime == "ray":  # the learners' device is on their nodes, not this driver's:
         # a learner that cannot use it exits naming the cause (78), and the run stops
         config = replace(config, train=replace(config.train, device="cpu"))
@@ -46,4 +59,4 @@ def check(config: RunConfig, method: str = "decoupled") -> Report:
     if setup.method.fragments and config.runtime == "processes":  # (Ray: num_gpus; a
         # data-parallel job checks its ranks' devices itself)
         assign_gpus(config, setup.slots, visible_gpus(os.environ))
-    return Report(setup.seq_len, time.monotonic() - started)
+    return setup.seq_len

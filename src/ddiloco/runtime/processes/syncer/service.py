@@ -47,6 +47,7 @@ from typing import Any
 import torch
 
 from ddiloco.config import RunConfig
+from ddiloco.core.codec import PackedTensors
 from ddiloco.core.credit import StepBudget
 from ddiloco.core.ledger import CRASH, LEFT
 from ddiloco.core.parts import PartError
@@ -572,10 +573,14 @@ class SyncerService:
                 m, answer.fragment, answer.key, answer.c_tokens, answer.base_version, overtaken
             )
             self.tokens += self.ledger.trained_tokens - before
-        verdict = self.syncer.on_answer(answer, delta, self.events.now())
+        packed = None if payload is None else bytes(payload)  # (the frame's buffer is reused)
+        keep = None  # held until its round merges as it came: bf16 half of fp32 (issue 28)
+        if packed is not None:
+            keep = PackedTensors(packed, expected_shapes=self.shapes[answer.fragment])
+        verdict = self.syncer.on_answer(answer, delta, self.events.now(), keep=keep)
         if verdict in (Verdict.ACCEPTED, Verdict.WAITING):
             if self.store.journal_enabled:
-                kept = self.parts.journal(delta) if payload is None else bytes(payload)
+                kept = self.parts.journal(delta) if packed is None else packed
                 self.payloads[answer.key] = kept
         else:
             self.verdict(m, answer, verdict.value)

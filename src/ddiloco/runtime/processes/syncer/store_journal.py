@@ -17,7 +17,7 @@ from __future__ import annotations
 import struct
 import zlib
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol
 
 import msgpack
@@ -240,7 +240,7 @@ def replay_journal(
         merged.update((a[0], a[1], a[2]) for a in answers)
         stale = [header["version"] - 1 - a[3] for a in answers]
         weights = answer_weights([(a[5], a[4]) for a in answers], stale, rounds.stale_weight)
-        deltas = [decode_tensors(payload) for payload in payloads]
+        deltas: list[Sequence[torch.Tensor]] = [decode_tensors(payload) for payload in payloads]
         norms = [tensor_norms(d) for d in deltas]
         marked = header.get("anchored", [])
         if marked and len(marked) != len(answers):
