@@ -75,6 +75,9 @@ class TrainConfig:
     # the whole model, gradients averaged) or "fsdp" (FSDP2: each rank holds 1/R of the
     # parameters, gradients and optimizer state)
     parallel: str = "ddp"
+    # keep each block's input only and recompute its activations in backward: activations
+    # of one block at a time for about one more forward a step (models/recompute.py)
+    activation_checkpointing: bool = False
 
     def __post_init__(self) -> None:
         for name in ("entry", "evaluate"):

@@ -16,6 +16,7 @@ from torch import nn
 
 from ddiloco.config import TrainConfig
 from ddiloco.data.corpus import BatchStream
+from ddiloco.models.recompute import checkpoint_blocks
 
 
 def pick_device(name: str) -> torch.device:
@@ -56,6 +57,8 @@ class Trainer:
     ) -> None:
         self.device = pick_device(config.device)
         self.model = model.to(self.device)
+        if config.activation_checkpointing:
+            checkpoint_blocks(model)
         self.stream = stream
         self.config = config
         self.total_steps = max(total_steps, 1)

@@ -27,7 +27,8 @@ pin = bytearray(256 << 10)  # a small block above them: the heap cannot shrink p
 held = rss_mib()
 del blocks
 trimmed = trim_heap() if sys.argv[1] == "trim" else None
-print(json.dumps({"fixed": fixed, "trimmed": trimmed, "start": start, "held": held, "after": rss_mib()}))
+after = rss_mib()
+print(json.dumps(dict(fixed=fixed, trimmed=trimmed, start=start, held=held, after=after)))
 """
 
 

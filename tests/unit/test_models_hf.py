@@ -225,3 +225,23 @@ def test_importing_ddiloco_does_not_import_transformers():
         "assert 'transformers' not in sys.modules, 'transformers was imported'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+def test_recomputed_decoder_layers_give_the_same_gradients(hf_dir):
+    """``train.activation_checkpointing`` on a Hugging Face model: its decoder layers are
+    the blocks (models/recompute.py), the gradients the same values."""
+    from ddiloco.models.recompute import checkpoint_blocks
+
+    x = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    grads = []
+    for recompute in (False, True):
+        torch.manual_seed(0)
+        model = build_model(f"hf:{hf_dir}")
+        model.train()
+        if recompute:
+            assert checkpoint_blocks(model) == 2
+        model(x, x)[1].backward()
+        grads.append({n: p.grad for n, p in model.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys() and grads[0]
+    for name, grad in grads[0].items():
+        torch.testing.assert_close(grads[1][name], grad, rtol=0, atol=1e-6, msg=name)

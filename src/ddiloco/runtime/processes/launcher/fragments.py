@@ -39,6 +39,7 @@ import os
 import secrets
 import signal
 import socket
+import sys
 import threading
 import time
 from collections import Counter
@@ -95,10 +96,29 @@ SYNCER = "syncer"
 STOP_WAIT_SECONDS = 30.0  # after a stop, for the syncer's summary (a restarted one's too)
 
 
-def free_port(host: str) -> int:
-    with socket.socket() as s:
+def free_port(host: str, held: list[socket.socket] | None = None) -> int:
+    """A port free on ``host`` now. With ``held`` (Linux), the port stays reserved: the
+    socket that found it stays bound (SO_REUSEADDR, never listening) and goes into ``held``
+    until the caller closes it. The kernel hands a bound port to no other ``bind(port 0)``
+    nor outgoing connection, while a server that sets SO_REUSEADDR itself (zmq does) binds
+    it: a torchrun rendezvous or a learner's snapshot server started a moment before the
+    syncer once took the syncer's port, and every restart of the syncer failed with
+    "Address already in use"."""
+    s = socket.socket()
+    keep = held is not None and sys.platform.startswith("linux")
+    try:
+        if keep:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         s.bind((host, 0))
-        return int(s.getsockname()[1])
+        port = int(s.getsockname()[1])
+    except BaseException:
+        s.close()
+        raise
+    if keep and held is not None:
+        held.append(s)
+    else:
+        s.close()
+    return port
 
 
 class Launcher(Supervisor):
@@ -153,9 +173,12 @@ class Launcher(Supervisor):
         and the proxy's driver (``links``, or None)."""
         config = self.config
         host, port = parse_address(config.processes.bind, "processes.bind")
-        self.address = f"{host}:{port or free_port(host)}"
+        self.reserved: list[socket.socket] = []  # the ports below, until shutdown
+        self.address = f"{host}:{port or free_port(host, self.reserved)}"
         proxied = faults_of(config) is not None
-        self.learner_address = f"{host}:{free_port(host)}" if proxied else self.address
+        self.learner_address = (
+            f"{host}:{free_port(host, self.reserved)}" if proxied else self.address
+        )
         self.links = self.link_faults(self.learner_address, self.address) if proxied else None
 
     def link_faults(self, listen: str, target: str) -> LinkFaults:
@@ -448,6 +471,8 @@ class Launcher(Supervisor):
         shared-memory directory (slots of killed processes)."""
         super().shutdown()
         remove_run_directory(self.run_id)
+        for held in getattr(self, "reserved", []):
+            held.close()
 
     def _totals(self, summary: dict[str, Any] | None) -> dict[str, Any]:
         """The syncer's (or our own) summary in the schema every runtime writes
