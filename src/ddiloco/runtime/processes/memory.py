@@ -17,7 +17,6 @@ attention and MLP buffers are mapped and given back, its small activations reuse
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import logging
 
 log = logging.getLogger(__name__)
@@ -28,11 +27,10 @@ SYNCER_THRESHOLD = 1 << 20  # blocks of 1 MiB or more: their own mapping, return
 
 
 def _libc() -> ctypes.CDLL | None:
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return None
+    """The C library this process runs on: its own symbols (``find_library`` would run
+    ``ldconfig``, a process the pre-flight must not start)."""
     try:
-        return ctypes.CDLL(name)
+        return ctypes.CDLL(None)
     except OSError:
         return None
 
