@@ -82,11 +82,12 @@ class RayLauncher(Launcher):
         # the syncer binds its own node's address; a port the driver found free is a guess
         # on another host: a multi-host cluster names one in processes.bind
         self.host = config.ray.service_host or (LOCAL_IP if self.cluster.local else NODE)
-        self.address = f"{self.host}:{port or free_port(LOCAL_IP)}"
+        self.reserved = []  # (fragments.free_port: kept from other processes until shutdown)
+        self.address = f"{self.host}:{port or free_port(LOCAL_IP, self.reserved)}"
         syncer = f"{RAY_ACTOR}{self.actor_name(SYNCER)}"
         self.learner_address, self.links = syncer, None
         if faults_of(config) is not None:  # learners dial the proxy, it dials the syncer
-            listen = f"{self.host}:{port + 1 if port else free_port(LOCAL_IP)}"
+            listen = f"{self.host}:{port + 1 if port else free_port(LOCAL_IP, self.reserved)}"
             self.learner_address = f"{RAY_ACTOR}{self.actor_name(PROXY)}"
             self.links = self.link_faults(listen, syncer)
         self.actors: dict[str, Any] = {}
