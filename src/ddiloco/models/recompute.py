@@ -2,7 +2,8 @@
 
 A transformer's training step holds every block's activations from forward to backward,
 and sharding (``train.parallel = "fsdp"``) does not split them: a 201M GPT's FSDP rank held
-0.61-0.64 of a DDP rank's memory with them, 0.54-0.58 without (BENCHMARKS.md). ``train.activation_checkpointing = true`` keeps only each block's input and runs the
+0.61-0.64 of a DDP rank's memory with them, 0.54-0.58 without (BENCHMARKS.md).
+``train.activation_checkpointing = true`` keeps only each block's input and runs the
 block's forward again when backward reaches it: about one more forward per step (+20-35%
 step time) for activations of one block at a time.
 
