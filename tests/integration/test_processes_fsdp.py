@@ -56,7 +56,7 @@ def test_two_sharded_learners_train_and_one_killed_comes_back(tmp_path, launch):
     after = [r for r in records if r["kind"] == "round" and r["t"] > recovered["t"]]
     assert any(r["weights"].get("1") for r in after)  # its answers merge again
     assert summary["refused"] == {}
-    assert summary["ledger_balanced"] and summary["ledger_errors"] == 0
+    assert summary["ledger_balanced"] and summary["ledger_errors"] == 0, ledger_of(summary)
     evals = [r["loss"] for r in records if r["kind"] == "eval"]
     assert len(evals) >= 2 and evals[-1] < evals[0] - 1.0, evals  # it learned, sharded
     # every rank received its own rows of the merged fragments on its own link (payload
@@ -69,8 +69,8 @@ def test_two_sharded_learners_train_and_one_killed_comes_back(tmp_path, launch):
 
 def test_an_answer_whose_part_is_lost_on_the_wire_is_never_merged_half(tmp_path, launch):
     """Every rank sends its part of an answer on its own link; the fault proxy drops a share
-    of the rank 1 links' frames: an answer missing a part is dropped whole (counted, said),
-    the others are put together and merged, and the run trains and balances."""
+    of the answer parts on the rank 1 links: an answer missing a part is dropped whole
+    (counted, said), the others are put together and merged, and the run trains and balances."""
     config = load_config(
         None,
         [*TINY, *SHARDED, "chaos=[]", "train.tokens=24000", "processes.detect_seconds=2.0",
@@ -80,16 +80,23 @@ def test_an_answer_whose_part_is_lost_on_the_wire_is_never_merged_half(tmp_path,
     summary, records = launch(config, tmp_path, lambda launcher, r: None)
     counts = summary["service"]
     assert summary["proxy"]["dropped_parts"] > 0, summary["proxy"]
-    assert counts["answers_incomplete"] > 0 and counts["answers_assembled"] > 0, counts
+    # (each answer whose part was dropped is dropped whole: after its bound, or at the end)
+    incomplete, assembled = counts.get("answers_incomplete", 0), counts.get("answers_assembled", 0)
+    assert incomplete > 0 and assembled > 0, (counts, summary["proxy"])
     dropped = [r for r in records if r["kind"] == "drop" and r["verdict"] == "incomplete"]
     assert dropped  # rank 0 was told, so it keeps nothing pending for ever
     merged = sum(len(r["weights"]) for r in records if r["kind"] == "round")
     assert 0 < merged <= counts["answers_assembled"]  # only whole answers were merged
     from_ = {m for r in records if r["kind"] == "round" for m, w in r["weights"].items() if w}
     assert from_ == {"0", "1"}  # both learners' whole answers merged
-    assert summary["ledger_balanced"] and summary["ledger_errors"] == 0
+    assert summary["ledger_balanced"] and summary["ledger_errors"] == 0, ledger_of(summary)
     evals = [r["loss"] for r in records if r["kind"] == "eval"]
     assert evals[-1] < evals[0] - 1.0, evals
+
+
+def ledger_of(summary: dict) -> dict:
+    """What a failed balance check shows."""
+    return {k: v for k, v in summary.items() if k.startswith(("ledger", "tokens", "answers"))}
 
 
 def rank_saves(run: Path) -> dict[int, int]:

@@ -4,13 +4,19 @@ a slow link caps it at the run's per-learner bandwidth / factor."""
 
 from __future__ import annotations
 
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
 from typing import Any
 
 from bases import TINY
 
 from ddiloco.chaos.plan import ChaosEvent
 from ddiloco.config import RunConfig, load_config
-from ddiloco.runtime.processes.launcher.fragments import Launcher
+from ddiloco.runtime.processes.launcher.fragments import Launcher, free_port
 
 BASE = [
     *TINY,
@@ -112,3 +118,29 @@ def test_a_slow_link_from_the_plan_gets_a_proxy_starves_the_learner_until_restor
     proxy = summary["proxy"]  # the launcher started one for the plan's link fault
     assert proxy.get("link_slow") == 2 and proxy.get("slowed", 0) > 0
     assert not any(proxy.get(k) for k in ("dropped", "duplicated", "corrupted", "truncated"))
+
+
+def test_a_proxy_under_control_stops_cleanly_on_sigterm():
+    """Its control thread blocks reading stdin for ever; a SIGTERM must still end the proxy
+    with its counts said and exit 0 (a buffered stdin made the interpreter abort at exit)."""
+    env = {**os.environ, "DDILOCO_SECRET": secrets.token_hex(32)}
+    port, target = free_port("127.0.0.1"), free_port("127.0.0.1")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ddiloco.runtime.processes.transport.proxy", "--control",
+         "--listen", f"127.0.0.1:{port}", "--target", f"127.0.0.1:{target}", "--run-id", "r"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+    )  # fmt: skip
+    try:
+        assert proc.stdin is not None and proc.stdout is not None
+        assert b"proxy_up" in proc.stdout.readline()
+        proc.stdin.write(b'{"open": true}\n')
+        proc.stdin.flush()
+        time.sleep(1.0)  # read: the control thread is blocked reading the next line
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=30)  # (not communicate: closing stdin would end the reader first)
+        out, err = proc.stdout.read(), proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0 and b"Fatal Python error" not in err, err.decode()[-2000:]
+    assert b'"kind": "proxy"' in out

@@ -90,3 +90,14 @@ def test_an_answer_missing_a_part_is_dropped_whole_and_its_ranks_told():
     assert dropped.missing == [1] and dropped.head == Head(META, False)
     assert counts["answers_incomplete"] == 1
     assert [(m, r, msg.verdict) for m, r, msg in sent] == [(1, 1, "incomplete")]
+
+
+def test_at_the_runs_end_every_answer_still_missing_a_part_is_dropped_and_said(caplog):
+    parts, sent, counts = rig()
+    payloads = parts_of([torch.randn(shape) for shape in PLAN.shapes()[0]], 2)
+    parts.add(META.key, 0, 0, 2, payloads[0], 10.0, Head(META, False))
+    assert parts.expire(10.5) == []  # well within its bound
+    (dropped,) = parts.expire(10.5, ended=True)  # but the run is over: it can never complete
+    assert dropped.missing == [1] and counts["answers_incomplete"] == 1
+    assert [(m, r, msg.verdict) for m, r, msg in sent] == [(1, 1, "incomplete")]
+    assert "before the run ended" in caplog.text and not parts.assembler.open

@@ -17,6 +17,7 @@ from ddiloco.runtime.processes.transport.wire import (
     Wire,
     WireError,
     decode_update,
+    peek_kind,
 )
 
 SECRET = b"s" * 32
@@ -55,6 +56,14 @@ def test_a_joined_blob_decodes_like_its_parts():
     tx, rx = pair()
     msg = rx.decode([bytes(joined(tx.encode("progress", payload=b"xyz")))])
     assert bytes(msg.payload) == b"xyz"
+
+
+def test_the_proxys_peek_reads_the_claimed_kind_and_never_raises():
+    tx, _ = pair()
+    head = bytes(tx.encode("answer_part", learner=1, payload=b"rows")[0])
+    assert peek_kind(head) == "answer_part"
+    for bad in (b"", head[:5], b"XXXX" + head[4:], head[: PREFIX.size] + b"\xc1junk"):
+        assert peek_kind(bad) is None  # not a head: nothing claimed
 
 
 @pytest.mark.parametrize("where", ["header", "payload", "trailer-digest"])

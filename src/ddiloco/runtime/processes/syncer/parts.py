@@ -14,6 +14,7 @@ so no rank keeps a part pending that the syncer is done with.
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, MutableMapping
 from dataclasses import dataclass
 
@@ -114,22 +115,24 @@ class AnswerParts:
             refuse("refused_part", m, f"rank {rank}'s part: {exc}")
             return None
 
-    def expire(self, now: float) -> list[Assembly[Head]]:
+    def expire(self, now: float, ended: bool = False) -> list[Assembly[Head]]:
         """Answers whose parts did not all come in time: dropped whole, said, and their rank
-        links told; the caller tells rank 0 (when its part came: ``head``)."""
-        dropped = self.assembler.expire(now)
+        links told; the caller tells rank 0 (when its part came: ``head``). ``ended``: the
+        run is over, so every answer still missing a part is dropped now (counted and said,
+        not left open and unsaid)."""
+        dropped = self.assembler.expire(math.inf if ended else now)
         for a in dropped:
             m = a.key[0]
             self.say(
                 f"incomplete-{m}",
                 "syncer: dropped learner %d's answer to fragment %d: rank(s) %s of its %d "
-                "sent no part within %.0fs (lost on the way, or a rank gone); never merged "
-                "half (answers_incomplete)",
+                + ("sent no part before the run ended" if ended else "sent no part within %.0fs")
+                + " (lost on the way, or a rank gone); never merged half (answers_incomplete)",
                 m,
                 a.fragment,
                 ",".join(map(str, a.missing)),
                 a.ranks,
-                self.assembler.bound,
+                *(() if ended else (self.assembler.bound,)),
             )
             self.tell(a.key, a.ranks, "incomplete")
         return dropped

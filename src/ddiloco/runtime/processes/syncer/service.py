@@ -746,6 +746,9 @@ class SyncerService:
 
     def finish(self) -> dict[str, Any]:
         self.conn.handshakes.drain()
+        for dropped in self.parts.expire(self.events.now(), ended=True):  # can never complete
+            if dropped.head is not None:
+                self.verdict(dropped.key[0], dropped.head.answer, "incomplete")
         now = self.events.now()
         self.account_uptime(now)
         for m in self.roster.registered():

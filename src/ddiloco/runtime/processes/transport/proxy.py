@@ -6,7 +6,7 @@ syncer does) and the syncer (to which it connects once per learner, with that le
 credentials: it holds the run secret, from $DDILOCO_SECRET), and on the way drops, delays
 (so reorders), duplicates, truncates and corrupts them at the rates of a :class:`Faults`
 spec such as ``"drop=0.02,duplicate=0.02,corrupt=0.01,truncate=0.01,delay=0.05"``
-(``drop_parts``: only the frames of a sharded learner's ranks >= 1, its answer parts). Seeded,
+(``drop_parts``: only the answer parts a sharded learner's ranks >= 1 send). Seeded,
 so a spec and a seed replay the same decisions for the same traffic.
 
 It also plays the chaos plan's link faults, as the simulated clock models them
@@ -33,6 +33,7 @@ import itertools
 import json
 import logging
 import math
+import os
 import queue
 import random
 import sys
@@ -48,6 +49,7 @@ from ddiloco.config import NetworkConfig
 from ddiloco.core.links import Links
 from ddiloco.errors import ConfigError, require
 from ddiloco.runtime.processes import terminate
+from ddiloco.runtime.processes.protocol import AnswerPart
 from ddiloco.runtime.processes.transport.auth import (
     Gatekeeper,
     HandshakeWatch,
@@ -59,6 +61,7 @@ from ddiloco.runtime.processes.transport.auth import (
 )
 from ddiloco.runtime.processes.transport.events import EVENT_PREFIX
 from ddiloco.runtime.processes.transport.sockets import Socket, load_secret
+from ddiloco.runtime.processes.transport.wire import peek_kind
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +83,7 @@ class Faults:
     truncate: float = 0.0
     delay: float = 0.0
     delay_seconds: float = 0.05
-    drop_parts: float = 0.0  # of the frames a sharded learner's rank >= 1 sends (its parts)
+    drop_parts: float = 0.0  # of the answer parts a sharded learner's rank >= 1 sends
 
     def __post_init__(self) -> None:
         for kind in KINDS:
@@ -448,7 +451,11 @@ class FaultProxy:
                         if link is None or len(frames) < 2:
                             continue
                         self.routes[link] = frames[0]
-                        if link[1] and self.rng.random() < self.faults.drop_parts:
+                        if (
+                            link[1]
+                            and peek_kind(frames[1]) == AnswerPart.KIND
+                            and self.rng.random() < self.faults.drop_parts
+                        ):
                             self.counts["dropped_parts"] += 1
                             continue
                         self._forward(self._back(link), frames[1:], link[0], UP)
@@ -506,7 +513,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     terminate.on_terminate(proxy.stop.set)  # (SIGTERM; on Ray, its actor's stop call)
     if args.control:
-        threading.Thread(target=proxy.read_commands, args=(sys.stdin.buffer,), daemon=True).start()
+        # an unbuffered reader of its own: a daemon thread blocked in sys.stdin's buffered
+        # readline holds its lock, and the interpreter's exit then aborts ("could not acquire
+        # lock for <stdin> at interpreter shutdown")
+        commands = os.fdopen(os.dup(sys.stdin.fileno()), "rb", buffering=0)
+        threading.Thread(target=proxy.read_commands, args=(commands,), daemon=True).start()
     print(EVENT_PREFIX + json.dumps({"kind": "proxy_up", "t": 0.0}), flush=True)
     proxy.serve()
     record = {"kind": "proxy", "t": 0.0, "counts": dict(sorted(proxy.counts.items()))}

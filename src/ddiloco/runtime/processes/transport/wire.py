@@ -369,6 +369,18 @@ def _prefix(head: memoryview, limits: Limits) -> tuple[int, int, int]:
     return flags, header_len, payload_len
 
 
+def peek_kind(head: bytes, limits: Limits = Limits()) -> str | None:
+    """The kind a frame's head *claims*, unchecked (no digest, no tag): for the fault proxy
+    to choose which frames to injure, never for trusting one. None when it does not parse."""
+    try:
+        _prefix(memoryview(head), limits)
+        data = msgpack.unpackb(head[PREFIX.size :], raw=False, strict_map_key=True)
+    except (WireError, ValueError, msgpack.UnpackException):
+        return None
+    kind = data.get("k") if isinstance(data, dict) else None
+    return kind if isinstance(kind, str) else None
+
+
 _FIELDS: dict[str, tuple[str, type]] = {
     "run": ("run", str),
     "src": ("sender", str),
