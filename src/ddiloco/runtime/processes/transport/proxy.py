@@ -479,6 +479,18 @@ class FaultProxy:
         self.gate.close()
 
 
+def commands() -> IO[bytes]:
+    """stdin, for the control thread: an unbuffered reader of its own where stdin is a file
+    (a daemon thread blocked in ``sys.stdin``'s buffered readline holds its lock, and the
+    interpreter's exit then aborts: "could not acquire lock for <stdin> at interpreter
+    shutdown"); the host's own where it is not one (a Ray actor's inbox, ray/actor.py)."""
+    try:
+        fd = sys.stdin.fileno()
+    except (AttributeError, OSError, ValueError):  # (io.UnsupportedOperation is both)
+        return sys.stdin.buffer
+    return os.fdopen(os.dup(fd), "rb", buffering=0)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--listen", required=True, help="HOST:PORT learners connect to")
@@ -513,11 +525,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     terminate.on_terminate(proxy.stop.set)  # (SIGTERM; on Ray, its actor's stop call)
     if args.control:
-        # an unbuffered reader of its own: a daemon thread blocked in sys.stdin's buffered
-        # readline holds its lock, and the interpreter's exit then aborts ("could not acquire
-        # lock for <stdin> at interpreter shutdown")
-        commands = os.fdopen(os.dup(sys.stdin.fileno()), "rb", buffering=0)
-        threading.Thread(target=proxy.read_commands, args=(commands,), daemon=True).start()
+        threading.Thread(target=proxy.read_commands, args=(commands(),), daemon=True).start()
     print(EVENT_PREFIX + json.dumps({"kind": "proxy_up", "t": 0.0}), flush=True)
     proxy.serve()
     record = {"kind": "proxy", "t": 0.0, "counts": dict(sorted(proxy.counts.items()))}
