@@ -199,6 +199,10 @@ class ProcessesConfig:
     spares: int = 0  # warm spare learner processes that take a dead learner's slot (0: none)
     shared_memory: bool = True  # same-host fragments through /dev/shm (off behind a proxy)
     give_up_seconds: float = 60.0  # a learner that hears no syncer this long exits non-zero
+    # a syncer whose main loop has not turned this long is stuck (a deadlock, a hung disk):
+    # it dumps every thread's stack and exits, to be restarted from its store, so that its
+    # network thread's beats never keep the learners training alone behind it (0: never)
+    stuck_seconds: float = 600.0
     max_restarts: int = 5  # failed starts in a row of one process before the launcher gives up
     restart_backoff_cap_seconds: float = 30.0  # restart delays double up to this
     learner_checkpoint_every: float = 60.0  # seconds between a learner's local checkpoints (0: off)
@@ -252,6 +256,12 @@ class ProcessesConfig:
         ):
             value = getattr(self, name)
             require(value > 0, f"processes.{name}", value, "must be > 0")
+        require(
+            self.stuck_seconds == 0 or self.stuck_seconds > self.detect_seconds,
+            "processes.stuck_seconds",
+            self.stuck_seconds,
+            f"must be 0 (never) or > processes.detect_seconds ({self.detect_seconds})",
+        )
         require(self.ranks >= 1, "processes.ranks", self.ranks, "must be >= 1")
         require(self.threads >= 1, "processes.threads", self.threads, "must be >= 1")
         require(self.spares >= 0, "processes.spares", self.spares, "must be >= 0")

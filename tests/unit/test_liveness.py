@@ -7,6 +7,9 @@ both ends' threads compete with the busy thread for one GIL, the harder case."""
 from __future__ import annotations
 
 import itertools
+import subprocess
+import sys
+import textwrap
 import time
 from collections.abc import Iterator
 
@@ -17,7 +20,12 @@ from ddiloco.core.codec import CodecSpec
 from ddiloco.runtime.processes import protocol
 from ddiloco.runtime.processes.launcher.fragments import free_port
 from ddiloco.runtime.processes.learner.link import LinkState, SyncerLink
-from ddiloco.runtime.processes.syncer.connections import BEAT_SECONDS, Connections, Incoming
+from ddiloco.runtime.processes.syncer.connections import (
+    BEAT_SECONDS,
+    STUCK_EXIT,
+    Connections,
+    Incoming,
+)
 from ddiloco.runtime.processes.transport.sockets import new_session
 from ddiloco.runtime.processes.transport.wire import Limits, Wire
 
@@ -115,3 +123,38 @@ def test_a_link_told_to_stop_takes_the_syncers_silence_as_the_end_not_a_failure(
     link.register(protocol.Hello(1, 0, [0]))  # final: no hello
     time.sleep(0.2)
     assert link.state is LinkState.STOPPED
+
+
+def test_a_loop_stuck_past_its_bound_stops_the_beats_so_the_learner_notices(linked):
+    """Beats prove the process, not its loop: one that has not turned for ``stuck_seconds``
+    must not keep its learners training alone behind them."""
+    conn, link = linked
+    stuck: list[float] = []
+    conn.on_stuck = stuck.append
+    conn.turned = time.monotonic()
+    conn.stuck_seconds = 2.0  # (the loop does not turn from here: nothing polls)
+    time.sleep(2.0 + 1.5 + 1.5)
+    assert len(stuck) == 1 and stuck[0] > 2.0, stuck
+    assert link.reconnects >= 1  # no beat came since: silence noticed
+
+
+def test_a_stuck_syncer_says_so_dumps_its_threads_and_exits_to_be_restarted():
+    script = textwrap.dedent(
+        f"""
+        import logging, time
+        from ddiloco.runtime.processes.syncer.connections import Connections
+        from ddiloco.runtime.processes.transport.wire import Limits
+        logging.basicConfig()
+        conn = Connections("127.0.0.1:{free_port("127.0.0.1")}", "r", b"k" * 32, 1, Limits(),
+                           shm=False, stuck_seconds=1.0)
+        time.sleep(30)  # the loop never turns
+        """
+    )
+    started = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == STUCK_EXIT, (done.returncode, done.stderr[-2000:])
+    assert time.monotonic() - started < 20
+    assert "has not turned for" in done.stderr and "processes.stuck_seconds" in done.stderr
+    assert 'File "<string>", line 8' in done.stderr  # where it was stuck: time.sleep(30)

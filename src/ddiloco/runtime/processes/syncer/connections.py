@@ -25,9 +25,12 @@ the constructor, from the service's thread; :meth:`close` once, last.
 
 from __future__ import annotations
 
+import faulthandler
 import itertools
 import logging
+import os
 import queue
+import sys
 import threading
 import time
 from collections import defaultdict
@@ -68,6 +71,28 @@ UNPROVEN_SAID = 3  # unproven frames from one connection before it is said
 _pipes = itertools.count()
 
 
+STUCK_EXIT = 70  # a syncer whose loop stopped turning exits so (EX_SOFTWARE): restarted
+
+
+def exit_stuck(seconds: float) -> None:
+    """End a syncer whose service loop has not turned for ``seconds``: say so, dump every
+    thread's stack (where it is stuck), and exit at once, without the loop's cooperation
+    (it is the part that is stuck). Its launcher, SLURM script or Ray restarts it from its
+    store; what it acknowledged is there."""
+    log.error(
+        "syncer: the main loop has not turned for %.0fs (processes.stuck_seconds): stuck; "
+        "exiting (code %d) to be restarted from the store, so that the learners do not "
+        "train alone behind this process's beats. Every thread's stack follows.",
+        seconds,
+        STUCK_EXIT,
+    )
+    for handler in logging.getLogger().handlers:
+        handler.flush()
+    faulthandler.dump_traceback(all_threads=True)
+    sys.stderr.flush()
+    os._exit(STUCK_EXIT)
+
+
 @dataclass(frozen=True)
 class Incoming:
     """An authenticated message for this syncer life, from learner ``learner``."""
@@ -93,8 +118,15 @@ class Connections:
         shm: bool,
         clock: Callable[[], float] = time.monotonic,
         tickets: TicketBook | None = None,
+        stuck_seconds: float = 0.0,
+        on_stuck: Callable[[float], None] | None = None,
     ) -> None:
+        """``stuck_seconds`` (0: never): a service loop that has not turned this long is
+        stuck; the network thread stops beating and calls ``on_stuck(seconds)`` (by default
+        :func:`exit_stuck`: the process ends, to be restarted from its store)."""
         self.slots = slots
+        self.stuck_seconds = stuck_seconds
+        self.on_stuck = on_stuck or exit_stuck
         self.clock = clock
         session = new_session()
         writer = writer_for(run_id, "S", session, bind.rpartition(":")[0], shm)
@@ -180,6 +212,11 @@ class Connections:
         except queue.Empty:
             return False
 
+    def stop_watching(self) -> None:
+        """The run is over (its learners are told to stop): a long last step of the loop
+        (the final evaluation, the last checkpoint) is no longer watched for being stuck."""
+        self.stuck_seconds = 0.0
+
     # -- the network thread -----------------------------------------------------------------
     def _serve(self) -> None:
         """Receive and check, forward the service's frames, beat: nothing here waits on the
@@ -211,6 +248,9 @@ class Connections:
                 for m, live in list(self.beats.items()):
                     self._send_to_learner(m, protocol.Beat(live))
                 busy = now - self.turned
+                if self.stuck_seconds and busy > self.stuck_seconds:
+                    self.on_stuck(busy)
+                    return  # (beats no more: its learners see the silence)
                 if busy > BUSY_WARN_SECONDS and not busy_said:
                     log.warning(
                         "syncer: the main loop has been busy for %.0fs (a merge, a store "

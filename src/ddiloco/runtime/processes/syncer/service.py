@@ -157,7 +157,15 @@ class SyncerService:
         # handshake its earlier life admitted (a captured one, replayed)
         tickets = TicketBook(self.store.tickets_path)
         self.conn = Connections(
-            bind, run_id, secret, setup.slots, self.limits, shm, clock=events.now, tickets=tickets
+            bind,
+            run_id,
+            secret,
+            setup.slots,
+            self.limits,
+            shm,
+            clock=events.now,
+            tickets=tickets,
+            stuck_seconds=self.config.processes.stuck_seconds,
         )
         self.counts = self.conn.counts  # one tally of what was refused, dropped, re-sent
         # a sharded learner's answers, part by part, each from its rank's own link
@@ -745,6 +753,7 @@ class SyncerService:
             log.error("syncer: the final checkpoint failed: %s: %s", type(exc).__name__, exc)
 
     def finish(self) -> dict[str, Any]:
+        self.conn.stop_watching()  # (the learners are told to stop; the last steps are long)
         self.conn.handshakes.drain()
         for dropped in self.parts.expire(self.events.now(), ended=True):  # can never complete
             if dropped.head is not None:
