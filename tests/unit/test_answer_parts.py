@@ -8,10 +8,10 @@ from collections import defaultdict
 
 import torch
 
-from ddiloco.core.codec import CodecSpec, encode_tensors
+from ddiloco.core.codec import CodecSpec, PackedTensors, decode_tensors, encode_tensors
 from ddiloco.core.plans import TensorSpec, build_plan
 from ddiloco.core.rounds import AnswerMeta
-from ddiloco.core.shards import split
+from ddiloco.core.shards import Assembled, assemble, split
 from ddiloco.runtime.processes import protocol
 from ddiloco.runtime.processes.syncer.connections import Incoming
 from ddiloco.runtime.processes.syncer.parts import AnswerParts, Head
@@ -54,6 +54,22 @@ def test_parts_from_three_ranks_make_the_whole_answer_and_every_rank_hears_its_v
     assert [(m, r, msg.verdict) for m, r, msg in sent] == [(1, 1, "merged"), (1, 2, "merged")]
     parts.judged(META.key, "merged")  # once
     assert len(sent) == 2
+
+
+def test_an_assembled_answer_holds_its_parts_as_they_came_and_decodes_a_tensor_when_read():
+    parts, _, _ = rig()
+    full = [torch.randn(shape) for shape in PLAN.shapes()[0]]
+    bf16 = CodecSpec("bf16")
+    payloads = [memoryview(encode_tensors(split(PLAN, 0, full, 2, r), bf16)) for r in range(2)]
+    assert parts.add(META.key, 0, 1, 2, payloads[1], 0.0) is None
+    _, values = parts.add(META.key, 0, 0, 2, payloads[0], 0.1, Head(META, False)) or (None, [])
+    assert isinstance(values, Assembled)  # held: bf16 bytes, half of the fp32 fragment
+    assert all(isinstance(p, PackedTensors) for p in values.parts)
+    assert sum(p.nbytes for p in values.parts) == sum(p.nbytes for p in payloads)
+    expected = assemble(PLAN, 0, [decode_tensors(bytes(p)) for p in payloads])
+    assert len(values) == len(expected) == len(values[:])
+    assert all(torch.equal(a, b) for a, b in zip(values, expected, strict=True))
+    assert torch.equal(values[-1], expected[-1])
 
 
 def test_a_rank_link_may_send_only_its_own_parts_of_its_learners_answers():

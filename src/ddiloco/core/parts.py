@@ -15,14 +15,14 @@ Pure: the caller passes the time and checked values; no I/O, no clock.
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
-from collections.abc import MutableMapping
+from collections.abc import MutableMapping, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
 import torch
 
 from ddiloco.core.plans import FragmentPlan
-from ddiloco.core.shards import assemble
+from ddiloco.core.shards import Assembled
 
 __all__ = ["Assembly", "PartAssembler", "PartError"]
 
@@ -45,16 +45,16 @@ class Assembly(Generic[H]):
     fragment: int
     ranks: int
     first_at: float
-    parts: dict[int, list[torch.Tensor]] = field(default_factory=dict)
+    parts: dict[int, Sequence[torch.Tensor]] = field(default_factory=dict)
     head: H | None = None  # rank 0's metadata, once its part came
 
     @property
     def missing(self) -> list[int]:
         return [r for r in range(self.ranks) if r not in self.parts]
 
-    def values(self, plan: FragmentPlan) -> list[torch.Tensor]:
-        """The whole fragment's values (every part has come)."""
-        return assemble(plan, self.fragment, [self.parts[r] for r in range(self.ranks)])
+    def values(self, plan: FragmentPlan) -> Assembled:
+        """The whole fragment's values (every part has come), each put together when read."""
+        return Assembled(plan, self.fragment, [self.parts[r] for r in range(self.ranks)])
 
 
 class PartAssembler(Generic[H]):
@@ -81,7 +81,7 @@ class PartAssembler(Generic[H]):
         fragment: int,
         rank: int,
         ranks: int,
-        values: list[torch.Tensor],
+        values: Sequence[torch.Tensor],
         now: float,
         head: H | None = None,
     ) -> Assembly[H] | None:

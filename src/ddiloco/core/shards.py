@@ -7,7 +7,7 @@ and every learner agree on it — and each rank works on its part of it:
 :func:`local_plan` is the plan of the rows it holds (same fragments, same offsets; each
 slice cut to the rank's rows and counted from its first row), so the core's learner state
 and step boundary run unchanged on a rank's local tensors. :func:`split` cuts a full
-fragment's values (a merged fragment) into a rank's part; :func:`assemble` puts the R parts
+fragment's values (a merged fragment) into a rank's part; :class:`Assembled` puts the R parts
 of an answer back together. Pure: no I/O, no clock, no process group.
 """
 
@@ -21,7 +21,7 @@ import torch
 from ddiloco.core.plans import Fragment, FragmentPlan, Slice, TensorSpec
 from ddiloco.errors import ConfigError, require
 
-__all__ = ["assemble", "local_plan", "shard_rows", "split"]
+__all__ = ["Assembled", "assemble", "local_plan", "shard_rows", "split"]
 
 
 def shard_rows(rows: int, world: int, rank: int) -> tuple[int, int]:
@@ -90,31 +90,52 @@ def split(
     return out
 
 
+class Assembled(Sequence[torch.Tensor]):
+    """A full fragment from its ``parts``, one per rank in rank order (each in its local
+    plan's slice order): every global slice is its ranks' pieces, concatenated on dim 0 when
+    it is read. Parts held as they came (core/codec.PackedTensors) stay packed until then:
+    a sharded learner's answer waiting for its round costs the syncer its encoded size, not
+    fp32, as a whole answer does (issue 28). Checked against the plan on construction."""
+
+    def __init__(
+        self, plan: FragmentPlan, fragment: int, parts: Sequence[Sequence[torch.Tensor]]
+    ) -> None:
+        world = len(parts)
+        f = plan.fragments[fragment]
+        specs = {spec.name: spec for spec in plan.specs}
+        cursors = [0] * world
+        self.pieces: list[list[tuple[int, int]]] = []  # per global slice: (rank, its index)
+        for s in f.slices:
+            pieces = []
+            for rank in range(world):
+                if _cut(s, specs[s.name], world, rank) is None:
+                    continue
+                if cursors[rank] >= len(parts[rank]):
+                    raise ConfigError("parts", rank, f"too few pieces for fragment {fragment}")
+                pieces.append((rank, cursors[rank]))
+                cursors[rank] += 1
+            self.pieces.append(pieces)
+        for rank in range(world):
+            require(
+                cursors[rank] == len(parts[rank]),
+                "parts",
+                rank,
+                f"{len(parts[rank])} pieces where fragment {fragment} has {cursors[rank]} here",
+            )
+        self.parts = parts
+
+    def __len__(self) -> int:
+        return len(self.pieces)
+
+    def __getitem__(self, i):  # type: ignore[no-untyped-def]  # (Sequence's two overloads)
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(len(self)))]
+        pieces = [self.parts[rank][k] for rank, k in self.pieces[i]]
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+
+
 def assemble(
     plan: FragmentPlan, fragment: int, parts: Sequence[Sequence[torch.Tensor]]
 ) -> list[torch.Tensor]:
-    """A full fragment from its ``parts``, one per rank in rank order (each in its local
-    plan's slice order): every global slice is its ranks' pieces, concatenated on dim 0."""
-    world = len(parts)
-    f = plan.fragments[fragment]
-    specs = {spec.name: spec for spec in plan.specs}
-    cursors = [0] * world
-    out = []
-    for s in f.slices:
-        pieces = []
-        for rank in range(world):
-            if _cut(s, specs[s.name], world, rank) is None:
-                continue
-            if cursors[rank] >= len(parts[rank]):
-                raise ConfigError("parts", rank, f"too few pieces for fragment {fragment}")
-            pieces.append(parts[rank][cursors[rank]])
-            cursors[rank] += 1
-        out.append(pieces[0] if len(pieces) == 1 else torch.cat(pieces))
-    for rank in range(world):
-        require(
-            cursors[rank] == len(parts[rank]),
-            "parts",
-            rank,
-            f"{len(parts[rank])} pieces where fragment {fragment} has {cursors[rank]} here",
-        )
-    return out
+    """:class:`Assembled`'s tensors, every one read now."""
+    return list(Assembled(plan, fragment, parts))

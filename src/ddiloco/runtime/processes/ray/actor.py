@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import shutil
 import signal
 import sys
 import tempfile
@@ -243,6 +244,7 @@ class ServiceHost:
             sys.stdout.flush()
             sys.stderr.flush()
             terminate.forget()
+            shutil.rmtree(home, ignore_errors=True)  # its config file: read at start
 
     def free_port(self) -> int:
         """A port free on this node now (a rank group's rendezvous, on rank 0's node)."""

@@ -15,16 +15,16 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, MutableMapping
+from collections.abc import Callable, MutableMapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
-from ddiloco.core.codec import CodecSpec, encode_tensors
+from ddiloco.core.codec import CodecSpec, PackedTensors, encode_tensors
 from ddiloco.core.parts import Assembly, PartAssembler, PartError
 from ddiloco.core.plans import FragmentPlan
 from ddiloco.core.rounds import AnswerMeta
-from ddiloco.core.shards import local_plan
+from ddiloco.core.shards import Assembled, local_plan
 from ddiloco.errors import ConfigError, DDiLoCoError
 from ddiloco.runtime.processes import protocol
 from ddiloco.runtime.processes.syncer.connections import Incoming
@@ -81,12 +81,16 @@ class AnswerParts:
         payload: memoryview,
         now: float,
         head: Head | None = None,
-    ) -> tuple[Head, list[torch.Tensor]] | None:
+    ) -> tuple[Head, Assembled] | None:
         """One part (``head``: rank 0's); the head and the whole fragment's values once this
         was the last one missing. Raises ``WireError`` (a part that does not decode) or
-        ``PartError`` (one that contradicts its siblings): refused, not kept."""
-        values = decode_update(payload, self.shapes(ranks, rank, fragment))
-        whole = self.assembler.add(key, fragment, rank, ranks, values, now, head)
+        ``PartError`` (one that contradicts its siblings): refused, not kept. A part is
+        decoded here once (it must decode, finite) and held as it came: the whole answer
+        decodes each tensor when it is read (issue 28)."""
+        shapes = self.shapes(ranks, rank, fragment)
+        decode_update(payload, shapes)  # (its values are read again from the bytes)
+        packed = PackedTensors(bytes(payload), expected_shapes=shapes)
+        whole = self.assembler.add(key, fragment, rank, ranks, packed, now, head)
         if whole is None:
             return None
         assert whole.head is not None
@@ -95,7 +99,7 @@ class AnswerParts:
 
     def receive(
         self, msg: Incoming, refuse: Callable[[str, int, str], None]
-    ) -> tuple[Head, list[torch.Tensor]] | None:
+    ) -> tuple[Head, Assembled] | None:
         """A message on rank ``msg.rank``'s link of sharded learner ``msg.learner``: its part
         of an answer (the whole answer when this part completed it), or a beat; anything else
         is refused (``refuse(reason, learner, why)``), as is a part that is not this rank's
@@ -149,6 +153,6 @@ class AnswerParts:
             self.send(key[0], rank, protocol.Verdict(key, verdict))
 
     @staticmethod
-    def journal(values: list[torch.Tensor]) -> bytes:
+    def journal(values: Sequence[torch.Tensor]) -> bytes:
         """An assembled answer's payload as the journal keeps it (no one sent it whole)."""
         return encode_tensors(values, JOURNAL_CODEC)

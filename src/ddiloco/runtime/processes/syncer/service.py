@@ -40,7 +40,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +62,7 @@ from ddiloco.runtime.processes.syncer.broadcast import Broadcast
 from ddiloco.runtime.processes.syncer.checkpoints import checkpoint_writer
 from ddiloco.runtime.processes.syncer.connections import Connections, Incoming
 from ddiloco.runtime.processes.syncer.evaluator import Evaluator
+from ddiloco.runtime.processes.syncer.final_rounds import FinalRounds
 from ddiloco.runtime.processes.syncer.parts import AnswerParts, Head
 from ddiloco.runtime.processes.syncer.restore import restore_service
 from ddiloco.runtime.processes.syncer.roster import Roster
@@ -90,7 +91,6 @@ log = logging.getLogger(__name__)
 Handler = Callable[[int, Any, memoryview], None]  # (learner, its protocol message, payload)
 
 BEAT_SECONDS = 0.5  # liveness checks, ledger saves, the status page (beats: .connections)
-FINAL_ASK_SECONDS = 1.0  # a final round asks the learners it still waits for again this often
 
 
 class SyncerService:
@@ -274,79 +274,17 @@ class SyncerService:
             self.checkpoints.submit(self.syncer.fragments, self.tokens)  # written later
 
     def final_rounds(self) -> None:
-        """At the budget: every live learner is asked for every fragment once more (a final
-        ask: it stops stepping until the stop), one fragment after the other, and each final
-        round merges when all of them have answered, or once ``processes.final_round_seconds``
-        (for all of them) have passed, with what came."""
-        seconds = self.config.processes.final_round_seconds
-        if seconds <= 0:
-            return
-        # (learners reconnect within seconds of a restart; one that died meanwhile must not
-        # hold the end up for long)
-        self.await_restored_learners(min(seconds, 3 * self.attendance.detect_seconds))
-        if not self.syncer.live:
-            return
-        started = self.events.now()
-        merged = self.syncer.counts.get("merged_rounds", 0)
-        self.syncer.finish(started, started + seconds)
-        asked: dict[int, tuple[Round, float]] = {}  # learner -> the round it was asked, when
-        while not self.syncer.finished and not self.stop.is_set():
-            now = time.monotonic()
-            for m, rnd in self.next_final_asks().items():
-                last = asked.get(m)  # asked again after a while: an ask lost on the way
-                if last is None or last[0] is not rnd or now - last[1] >= FINAL_ASK_SECONDS:
-                    asked[m] = (rnd, now)
-                    self.ask(rnd, [m])
-            self.turn(self.config.train.tokens, finishing=True)
-        took = self.events.now() - started
-        if took >= seconds:
-            log.warning(
-                "syncer: the final rounds ran out their %.0fs (processes.final_round_seconds): "
-                "a learner did not answer every fragment; merged what came",
-                seconds,
-            )
-        self.events(
-            "final_rounds",
-            seconds=round(took, 4),
-            merged=self.syncer.counts.get("merged_rounds", 0) - merged,
-            fragments=self.plan.num_fragments,
-        )
-
-    def await_restored_learners(self, seconds: float) -> None:
-        """A syncer killed in its final rounds restarts past the budget, knowing nobody: its
-        learners are alive, waiting for the stop, and register again within seconds. Wait
-        for them (at most ``seconds``) so that the final rounds ask them too, instead of
-        ending at once with their last answers unmerged (issue 29)."""
-        absent = self.ledger.absent()  # lives of the ledger's snapshot not heard from yet
-        if not absent:
-            return
-        log.warning(
-            "syncer: restarted at the end of the run; waiting up to %.0fs for learner%s %s "
-            "to register again before the final rounds",
-            seconds,
-            "s" if len(absent) > 1 else "",
-            ", ".join(map(str, sorted(absent))),
-        )
-        deadline = time.monotonic() + seconds
-        while self.ledger.absent() and time.monotonic() < deadline and not self.stop.is_set():
-            self.turn(self.config.train.tokens, finishing=True)
-        if self.ledger.absent():
-            log.warning(
-                "syncer: learner%s %s did not come back; the final rounds go on without",
-                "s" if len(self.ledger.absent()) > 1 else "",
-                ", ".join(map(str, sorted(self.ledger.absent()))),
-            )
-
-    def next_final_asks(self) -> dict[int, Round]:
-        """Each learner's next final ask: the first open final round it still owes. One
-        fragment at a time, each learner at its own pace: the answers held here are M
-        fragments, not the M models that asking every fragment at once gathered (issue 28),
-        and a slow or silent learner holds up no other learner's answers."""
-        owed: dict[int, Round] = {}
-        for rnd in sorted(self.syncer.open_rounds.values(), key=lambda r: r.fragment):
-            for m in rnd.asked - rnd.finally_answered:
-                owed.setdefault(m, rnd)
-        return owed
+        """At the budget: every live learner answers every fragment once more
+        (:mod:`.final_rounds`), the loop turning meanwhile without evaluations."""
+        FinalRounds(
+            self.syncer,
+            self.ledger,
+            self.events,
+            turn=lambda: self.turn(self.config.train.tokens, finishing=True),
+            ask=self.ask,
+            stop=self.stop,
+            detect_seconds=self.attendance.detect_seconds,
+        ).run(self.config.processes.final_round_seconds)
 
     def ask(self, rnd: Round, learners: Iterable[int]) -> None:
         """Ask ``learners`` for an answer in ``rnd`` (a final round's ask says so)."""
@@ -570,10 +508,11 @@ class SyncerService:
         self.take_answer(m, head, delta, payload)
 
     def take_answer(
-        self, m: int, head: Head, delta: list[torch.Tensor], payload: memoryview | None
+        self, m: int, head: Head, values: Sequence[torch.Tensor], payload: memoryview | None
     ) -> None:
-        """A whole answer (``payload``: as it came, None when put together from parts):
-        counted in the ledger, then judged by the core."""
+        """A whole answer (``payload``: as it came, None when put together from parts, whose
+        ``values`` read each tensor from its parts as they came): counted in the ledger, then
+        judged by the core; held until its round merges as it came, bf16 half of fp32."""
         answer, overtaken = head.answer, head.overtaken
         if not self.syncer.has_seen(answer.key):  # a re-push is not new work
             before = self.ledger.trained_tokens  # (re-reported tokens a restart missed)
@@ -582,7 +521,8 @@ class SyncerService:
             )
             self.tokens += self.ledger.trained_tokens - before
         packed = None if payload is None else bytes(payload)  # (the frame's buffer is reused)
-        keep = None  # held until its round merges as it came: bf16 half of fp32 (issue 28)
+        keep: Sequence[torch.Tensor] = values  # (parts: each tensor put together when read)
+        delta = list(values)  # decoded once, for the core's checks; dropped after
         if packed is not None:
             keep = PackedTensors(packed, expected_shapes=self.shapes[answer.fragment])
         verdict = self.syncer.on_answer(answer, delta, self.events.now(), keep=keep)
