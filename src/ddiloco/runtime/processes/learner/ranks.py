@@ -239,7 +239,8 @@ class RankGroup:
         return {values[1 + 2 * i]: values[2 + 2 * i] for i in range(int(size))}, bool(values[0])
 
     def share_bytes(self, blob: bytes | None) -> bytes:
-        """Rank 0's bytes (a recovered state) on every rank."""
+        """Rank 0's bytes (a recovered state, a decision) on every rank: another rank's
+        ``blob`` is not read (every rank returns rank 0's, whatever it passed)."""
         if not self.active:
             assert blob is not None
             return blob
@@ -251,7 +252,7 @@ class RankGroup:
         else:
             data = torch.empty(int(size), dtype=torch.uint8, device=self.device)
         self._wait("state broadcast", [dist.broadcast(data, 0, async_op=True)])
-        return blob if blob is not None else bytes(data.cpu().numpy().tobytes())
+        return blob if self.leader and blob is not None else bytes(data.cpu().numpy().tobytes())
 
     def all_ints(self, values: Sequence[int]) -> list[list[int]]:
         """Every rank's ``values`` (the same length on every rank), in rank order."""

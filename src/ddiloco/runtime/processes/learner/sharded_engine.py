@@ -136,6 +136,7 @@ class ShardedEngine(LearnerEngine):
                 self.link.register(self.status())
         unwelcomed = self.ranks.leader and not self.await_welcome()
         late = self.ranks.leader and not unwelcomed and not copied and self.late()
+        # rank 0's start on every rank: 0 fresh, 1 late (catch up from a peer), 2 leave now
         flag = self.ranks.share_bytes(bytes([2 if unwelcomed else int(late)]))
         if flag == b"\x02":
             self.leave_unwelcomed()
