@@ -222,21 +222,23 @@ class RankGroup:
             out.append((p, version, [v.cpu() for v in values]))
         return bool(head[0]), bool(head[1]), out, snapshots
 
-    def share_asks(self, asks: dict[int, int], final: bool) -> tuple[dict[int, int], bool]:
-        """Rank 0's asks (fragment -> round id) and final-rounds flag on every rank (a
-        sharded learner's ranks each answer their rows of them)."""
+    def share_asks(
+        self, asks: dict[int, int], final: bool, fragments: int
+    ) -> tuple[dict[int, int], bool]:
+        """Rank 0's asks (fragment -> round id, of ``fragments``) and final-rounds flag on
+        every rank (a sharded learner's ranks each answer their rows of them): one broadcast
+        of a fixed size, every step."""
         if not self.active:
             return asks, final
-        size = torch.tensor([len(asks)], dtype=torch.int64, device=self.device)
-        self._wait("ask broadcast", [dist.broadcast(size, 0, async_op=True)])
-        head = torch.zeros(1 + 2 * int(size), dtype=torch.int64, device=self.device)
+        head = torch.zeros(1 + 2 * fragments, dtype=torch.int64, device=self.device)
         if self.leader:
             head[0] = int(final)
-            for i, (p, round_id) in enumerate(sorted(asks.items())):
-                head[1 + 2 * i], head[2 + 2 * i] = p, round_id
+            for p, round_id in asks.items():
+                head[1 + p], head[1 + fragments + p] = 1, round_id
         self._wait("ask broadcast", [dist.broadcast(head, 0, async_op=True)])
         values = head.tolist()
-        return {values[1 + 2 * i]: values[2 + 2 * i] for i in range(int(size))}, bool(values[0])
+        shared = {p: values[1 + fragments + p] for p in range(fragments) if values[1 + p]}
+        return shared, bool(values[0])
 
     def share_bytes(self, blob: bytes | None) -> bytes:
         """Rank 0's bytes (a recovered state, a decision) on every rank: another rank's

@@ -189,19 +189,20 @@ class ShardedEngine(LearnerEngine):
             final = self.link.finishing  # (set before a final ask is handed over)
             asks = self.link.take_asks()
             stop = self.should_stop()
-        asks, final = self.ranks.share_asks(asks, final)
+        asks, final = self.ranks.share_asks(asks, final, len(self.shapes))
         for answer in self.boundary.answers(asks, params, step_end, final):
             if self.parts is None:  # rank 0: with the answer's metadata
                 self.link.push(answer, ranks=self.ranks.world)
             else:
                 self.parts.push(answer)
-        stop, rows = self.agree(stop)
+        # with the versions every rank holds, in the same all-gather: a snapshot if any
+        # rank's server was asked (every rank's rows at this one boundary, after the apply),
+        # a local save when rank 0's is due, a stop when a rank's part link failed
+        failed = self.parts is not None and self.parts.fatal is not None
+        wanted = [int(self.server.wanted), int(self.saves.due()), int(failed)]
+        stop, rows, flags = self.agree(stop, wanted)
         rebased = self.boundary.apply({p: (v, mine) for p, v, mine in rows}, params)
         self.applied()
-        # a snapshot if any rank's server was asked (every rank's rows at this one boundary);
-        # a local save when rank 0's is due; a stop when a rank's part link failed
-        failed = self.parts is not None and self.parts.fatal is not None
-        flags = self.ranks.all_ints([int(self.server.wanted), int(self.saves.due()), failed])
         self.due = bool(flags[0][1])
         broken = [r for r, row in enumerate(flags) if row[2]]
         if broken:
@@ -320,7 +321,7 @@ class ShardedEngine(LearnerEngine):
                 break
             time.sleep(0.02)
         self.sync.step = self.replica.steps = int(step)
-        _, applies = self.agree(False)
+        _, applies, _ = self.agree(False)
         params = self.params()
         for p, version, mine_rows in applies:
             self.sync.apply(p, version, mine_rows, params)
@@ -344,14 +345,19 @@ class ShardedEngine(LearnerEngine):
         for p, (version, values) in inbox.items():
             self.hold(p, version, values)
 
-    def agree(self, stop: bool) -> tuple[bool, list[Apply]]:
-        """Rank 0's stop on every rank, and the fragments to apply now: those every rank
-        holds at the same version (one all-gather of each rank's held versions)."""
+    def agree(
+        self, stop: bool, flags: Sequence[int] = ()
+    ) -> tuple[bool, list[Apply], list[list[int]]]:
+        """Rank 0's stop on every rank, the fragments to apply now: those every rank holds
+        at the same version, and every rank's ``flags`` in rank order (one all-gather of
+        each rank's stop, flags and held versions)."""
         self.take_inbox()
         mine = [self.held[p][0] if p in self.held else -1 for p in range(len(self.shapes))]
-        rows = self.ranks.all_ints([int(stop), *mine])
-        applies = [(p, v, self.held.pop(p)[1]) for p, v in agreed([row[1:] for row in rows])]
-        return bool(rows[0][0]), applies
+        n = len(flags)
+        rows = self.ranks.all_ints([int(stop), *flags, *mine])
+        held = [row[1 + n :] for row in rows]
+        applies = [(p, v, self.held.pop(p)[1]) for p, v in agreed(held)]
+        return bool(rows[0][0]), applies, [row[1 : 1 + n] for row in rows]
 
     def applied(self) -> None:
         """After an apply: rows of versions no newer than the applied ones are dropped, and
