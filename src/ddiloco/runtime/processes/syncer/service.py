@@ -60,6 +60,7 @@ from ddiloco.runtime.processes.syncer.actions import ActionGate
 from ddiloco.runtime.processes.syncer.attendance import Attendance
 from ddiloco.runtime.processes.syncer.broadcast import Broadcast
 from ddiloco.runtime.processes.syncer.checkpoints import checkpoint_writer
+from ddiloco.runtime.processes.syncer.claims import ahead_of_store
 from ddiloco.runtime.processes.syncer.connections import Connections, Incoming
 from ddiloco.runtime.processes.syncer.evaluator import Evaluator
 from ddiloco.runtime.processes.syncer.final_rounds import FinalRounds
@@ -329,7 +330,7 @@ class SyncerService:
         inc, versions = hello.incarnation, hello.versions
         if inc != self.conn.sessions.get(m):
             raise ConfigError("meta.inc", inc, "is not the session this learner signs with")
-        why = self.ahead_of_store(m, versions)
+        why = ahead_of_store(m, versions, self.syncer.versions, self.store.dir)
         if why is not None:
             self.conn.refuse("refused_ahead", m, why)  # its answers could never merge: say so
             self.send(m, protocol.Refused(why))
@@ -358,28 +359,6 @@ class SyncerService:
                 self.send_fragment([m], p, version, self.syncer.fragments[p], [])
         self.update_beats()
         self.events("joined", learner=m, incarnation=inc, step=step)
-
-    def ahead_of_store(self, m: int, versions: list[int]) -> str | None:
-        """Why learner ``m`` cannot take part when it holds a fragment version this syncer
-        never made (its store is empty, older than the run, or another run's); else None.
-        A merge is durable before it is broadcast, so an honest learner is never ahead."""
-        ahead = [p for p, v in enumerate(versions) if v > self.syncer.versions[p]]
-        if not ahead:
-            return None
-        p = ahead[0]
-        held, have = versions[p], self.syncer.versions[p]
-        if not any(self.syncer.versions):
-            return (
-                f"learner {m} holds fragment versions up to {max(versions)} but this "
-                f"syncer's store {self.store.dir} is empty: was the syncer started with "
-                "another --store, or was its store lost? Restore it, or start the run anew"
-            )
-        return (
-            f"learner {m} holds fragment {p} at version {held} but this syncer's store "
-            f"{self.store.dir} has it at version {have}: the store is older than the run "
-            "(restored from an older backup, or another run's store?). Restore the newest "
-            "store, or start the run anew"
-        )
 
     def bounded_step(self, m: int, claimed: int) -> int:
         """The step learner ``m``'s hello is counted from: its claim, at most what the run
