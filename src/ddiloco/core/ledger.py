@@ -33,6 +33,7 @@ LOST_IN_FLIGHT = "lost_in_flight"  # pushed but never arrived (learner or link d
 UNSYNCED_AT_END = "unsynced_at_end"  # still in the learner when the run ended
 IN_FLIGHT_AT_END = "in_flight_at_end"  # pushed, not merged, when the run ended
 OUTLIER = "outlier"  # answer refused: its delta's norm is out of bounds (core/robust.py)
+INCOMPLETE = "incomplete"  # a sharded learner's answer dropped: a rank's part never came
 
 
 @dataclass

@@ -97,6 +97,10 @@ class AnswerParts:
         self.ranks[key] = ranks
         return whole.head, whole.values(self.plan)
 
+    def is_open(self, key: Key) -> bool:
+        """Whether answer ``key`` is being put together (a part came, not all of them)."""
+        return key in self.assembler.open
+
     def receive(
         self, msg: Incoming, refuse: Callable[[str, int, str], None]
     ) -> tuple[Head, Assembled] | None:

@@ -49,7 +49,7 @@ import torch
 from ddiloco.config import RunConfig
 from ddiloco.core.codec import PackedTensors
 from ddiloco.core.credit import StepBudget
-from ddiloco.core.ledger import CRASH, LEFT
+from ddiloco.core.ledger import CRASH, INCOMPLETE, LEFT
 from ddiloco.core.parts import PartError
 from ddiloco.core.restart_ledger import RestartLedger
 from ddiloco.core.rounds import UNSOLICITED, AnswerMeta, Round, Verdict
@@ -256,8 +256,7 @@ class SyncerService:
                     self.handle(msg)
         self.poll()
         for dropped in self.parts.expire(self.events.now()):  # never merged half
-            if dropped.head is not None:
-                self.verdict(dropped.key[0], dropped.head.answer, "incomplete")
+            self.incomplete(dropped.head)
         self.actions.carry_out(self.send, self.events)  # the status page's requests
         now = self.events.now()
         if now - self.last_beat >= BEAT_SECONDS:
@@ -473,6 +472,11 @@ class SyncerService:
             if message.ranks > 1:  # rank 0's part of a sharded learner's answer
                 whole = self.parts.add(answer.key, answer.fragment, 0, message.ranks, payload,
                                        self.events.now(), head)  # fmt: skip
+                if whole is None and not self.parts.is_open(answer.key):
+                    if not self.syncer.has_seen(answer.key):  # (else a re-push: judged)
+                        self.verdict(m, answer, INCOMPLETE)  # dropped before its head came
+                    return
+                self.book(m, head)  # now, in order with its reports: not when its last part came
                 if whole is not None:
                     self.take_answer(m, *whole, None)
                 return
@@ -484,21 +488,29 @@ class SyncerService:
         except PartError as exc:
             self.conn.refuse("refused_part", m, f"rank 0's part: {exc}")
             return
+        self.book(m, head)
         self.take_answer(m, head, delta, payload)
+
+    def book(self, m: int, head: Head) -> None:
+        """Count an answer in the ledger as its learner's link delivered it (its head: a
+        sharded learner's answer is whole only when its last part comes on another link,
+        maybe after a report of a rebase sent after it); a re-push is not new work."""
+        answer = head.answer
+        if self.syncer.has_seen(answer.key) or self.ledger.is_open(answer.key):
+            return
+        before = self.ledger.trained_tokens  # (re-reported tokens a restart missed)
+        self.ledger.answered(
+            m, answer.fragment, answer.key, answer.c_tokens, answer.base_version, head.overtaken
+        )
+        self.tokens += self.ledger.trained_tokens - before
 
     def take_answer(
         self, m: int, head: Head, values: Sequence[torch.Tensor], payload: memoryview | None
     ) -> None:
-        """A whole answer (``payload``: as it came, None when put together from parts, whose
-        ``values`` read each tensor from its parts as they came): counted in the ledger, then
-        judged by the core; held until its round merges as it came, bf16 half of fp32."""
-        answer, overtaken = head.answer, head.overtaken
-        if not self.syncer.has_seen(answer.key):  # a re-push is not new work
-            before = self.ledger.trained_tokens  # (re-reported tokens a restart missed)
-            self.ledger.answered(
-                m, answer.fragment, answer.key, answer.c_tokens, answer.base_version, overtaken
-            )
-            self.tokens += self.ledger.trained_tokens - before
+        """A whole answer, counted in the ledger (:meth:`book`), judged by the core
+        (``payload``: as it came, None when put together from parts, whose ``values`` read
+        each tensor from its parts as they came); held until its round merges as it came."""
+        answer = head.answer
         packed = None if payload is None else bytes(payload)  # (the frame's buffer is reused)
         keep: Sequence[torch.Tensor] = values  # (parts: each tensor put together when read)
         delta = list(values)  # decoded once, for the core's checks; dropped after
@@ -549,6 +561,15 @@ class SyncerService:
         self.roster.bye(m)
         self.update_beats()
         self.events("left", learner=m, why=bye.why)
+
+    def incomplete(self, head: Head | None) -> None:
+        """A sharded learner's answer dropped missing a part: wasted in the ledger (booked
+        when its head came) and rank 0 told (its other ranks were, :mod:`.parts`)."""
+        if head is None:  # rank 0's part never came: nothing was booked, no one to tell
+            return
+        if self.ledger.is_open(head.answer.key):
+            self.ledger.wasted_answer(head.answer.key, INCOMPLETE)
+        self.verdict(head.answer.learner, head.answer, INCOMPLETE)
 
     def verdict(self, m: int, answer: AnswerMeta, verdict: str) -> None:
         self.send(m, protocol.Verdict(answer.key, verdict), fragment=answer.fragment)
@@ -675,8 +696,7 @@ class SyncerService:
         self.conn.stop_watching()  # (the learners are told to stop; the last steps are long)
         self.conn.handshakes.drain()
         for dropped in self.parts.expire(self.events.now(), ended=True):  # can never complete
-            if dropped.head is not None:
-                self.verdict(dropped.key[0], dropped.head.answer, "incomplete")
+            self.incomplete(dropped.head)
         now = self.events.now()
         self.account_uptime(now)
         for m in self.roster.registered():
