@@ -11,7 +11,10 @@
 
 Every run is an ordinary ``ddiloco train`` run (its directory lands under --out), so any row
 can be inspected, plotted or re-run. Runs are sequential: two torch processes on a 2-core
-machine slow each other down many times over.
+machine slow each other down many times over, unless each has one thread and a core of its
+own: ``--methods`` runs only the methods named, each in a directory of its own
+(``<run>.<method>``), so that two invocations with ``OMP_NUM_THREADS=1`` (one method each)
+share a 2-core machine; ``--reuse`` then tabulates the methods found in either place.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from typing import Any
 
 from ddiloco import train
 from ddiloco.config import load_config
-from quality import LADDER_MODELS, QUALITY, method_curve, plot_ladder
+from quality import LADDER_MODELS, QUALITY, method_curve, method_dir, plot_ladder
 
 Run = tuple[str, list[str]]  # (label, --set overrides)
 CRASHES = (
@@ -326,23 +329,46 @@ def slug(label: str) -> str:
     return "_".join(words)
 
 
+def run_one(
+    overrides: list[str], directory: Path, reuse: bool, only: Sequence[str] | None
+) -> list[tuple[dict[str, Any], Path]]:
+    """(summary, directory) of each method of one run: read back with ``reuse``, else trained.
+    The run's methods train together in ``directory``, or one by one in their own directories
+    (:func:`quality.method_dir`) when ``only`` names some or an earlier invocation split it."""
+    config = load_config(None, overrides)
+    if reuse and (directory / "summary.json").exists():
+        summary = json.loads((directory / "summary.json").read_text(encoding="utf-8"))
+        return [(summary["methods"][m], directory) for m in config.methods]
+    split = {m: method_dir(directory, m) for m in config.methods}
+    if only is None and not any(d.exists() for d in split.values()):
+        return [(s, directory) for s in train(config, directory, quiet=True)]
+    found = []
+    for method, own in split.items():
+        if reuse and (own / "summary.json").exists():
+            summary = json.loads((own / "summary.json").read_text(encoding="utf-8"))
+            found.append((summary["methods"][method], own))
+        elif only is None or method in only:
+            config = load_config(None, [*overrides, f'methods=["{method}"]'])
+            found.extend((s, own) for s in train(config, own, quiet=True))
+    return found
+
+
 def run_all(
-    name: str, tokens: Sequence[int], seeds: Sequence[int], out: Path, reuse: bool = False
+    name: str,
+    tokens: Sequence[int],
+    seeds: Sequence[int],
+    out: Path,
+    reuse: bool = False,
+    only: Sequence[str] | None = None,
 ) -> str:
     rows: dict[tuple[int, str, str], list[dict[str, Any]]] = {}
     for n in tokens:
         for label, overrides in EXPERIMENTS[name](n):
             for seed in seeds:
-                config = load_config(None, [*overrides, f"seed={seed}"])
                 directory = out / name / f"{n}-{slug(label)}-s{seed}"
                 started = time.monotonic()
-                if reuse and (directory / "summary.json").exists():
-                    summary = json.loads((directory / "summary.json").read_text(encoding="utf-8"))
-                    summaries = [summary["methods"][m] for m in config.methods]
-                else:
-                    summaries = train(config, directory, quiet=True)
-                for s in summaries:
-                    s["seed"], s["curve"] = seed, eval_curve(directory, s["method"])
+                for s, held in run_one([*overrides, f"seed={seed}"], directory, reuse, only):
+                    s["seed"], s["curve"] = seed, eval_curve(held, s["method"])
                     rows.setdefault((n, label, s["method"]), []).append(s)
                 print(
                     f"  {n:>9,} tokens  {label:<28} seed {seed}  "
@@ -422,6 +448,11 @@ def main() -> None:
     ap.add_argument("--out", default="runs/experiments")
     ap.add_argument("--reuse", action="store_true", help="tabulate runs already under --out")
     ap.add_argument("--models", nargs="+", help="scaling, ladder: the models (default: all)")
+    ap.add_argument(
+        "--methods",
+        nargs="+",
+        help="run only these methods, each in a directory of its own (<run>.<method>)",
+    )
     args = ap.parse_args()
     if args.models:
         SCALING_MODELS[:] = args.models
@@ -429,7 +460,11 @@ def main() -> None:
     if args.tokens is None:
         args.tokens = [20] if args.experiment in PER_PARAM else [1_000_000]
     print(f"experiment {args.experiment}: tokens {args.tokens}, seeds {args.seeds}")
-    print(run_all(args.experiment, args.tokens, args.seeds, Path(args.out), args.reuse))
+    print(
+        run_all(
+            args.experiment, args.tokens, args.seeds, Path(args.out), args.reuse, args.methods
+        )
+    )
 
 
 if __name__ == "__main__":

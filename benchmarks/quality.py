@@ -313,9 +313,17 @@ QUALITY = {
 
 
 def method_curve(directory: Path, method: str, key: str = "tokens") -> list[tuple[float, float]]:
-    """(``key``, eval loss) of ``method``'s evaluations in a run directory."""
-    records = read_records(directory / "metrics.jsonl")
+    """(``key``, eval loss) of ``method``'s evaluations in a run directory, or in the
+    method's own directory beside it (``<run>.<method>``: ``experiments.py --methods``)."""
+    path = method_dir(directory, method) / "metrics.jsonl"
+    path = path if path.exists() else directory / "metrics.jsonl"
+    records = read_records(path) if path.exists() else []  # (a method not run yet)
     return [(r[key], r["loss"]) for r in records if r["kind"] == "eval" and r["method"] == method]
+
+
+def method_dir(directory: Path, method: str) -> Path:
+    """Where one method of a run split by method (``experiments.py --methods``) runs."""
+    return directory.with_name(f"{directory.name}.{method}")
 
 
 def gap_curves(directory: Path, method: str = "decoupled") -> list[tuple[float, float, float]]:
@@ -342,8 +350,9 @@ def plot_ladder(root: Path, out: Path) -> Path:
 
     fig, (ax_n, ax_t) = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
     for model in sorted({*LADDER_MODELS, *_ladder_models(root)}, key=parameters):
-        runs = sorted(root.glob(f"*-{model}_no_failures-s*"))
-        curves = [gap_curves(d) for d in runs if (d / "summary.json").exists()]
+        # a run's directory, or its methods' own (<run>.<method>) when split by method
+        runs = sorted({d.with_suffix("") for d in root.glob(f"*-{model}_no_failures-s*")})
+        curves = [c for c in map(gap_curves, runs) if c]
         if not curves:
             continue
         size = parameters(model)
