@@ -461,9 +461,7 @@ def main() -> None:
         args.tokens = [20] if args.experiment in PER_PARAM else [1_000_000]
     print(f"experiment {args.experiment}: tokens {args.tokens}, seeds {args.seeds}")
     print(
-        run_all(
-            args.experiment, args.tokens, args.seeds, Path(args.out), args.reuse, args.methods
-        )
+        run_all(args.experiment, args.tokens, args.seeds, Path(args.out), args.reuse, args.methods)
     )
 
 
