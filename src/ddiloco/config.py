@@ -214,6 +214,11 @@ class ProcessesConfig:
     # final rounds merge when all answered, or after this long with what came (0: no final
     # rounds: what the learners trained since their last merged answers is thrown away)
     final_round_seconds: float = 30.0
+    # the syncer evaluates the global model in place, slice by slice, merges going in between
+    # two slices (no copy: the syncer stays within 3x the fp32 model; an evaluation that
+    # outlasts merges averages over the models they made), instead of in a copy taken between
+    # two merges (one model exactly; one fp32 model more while it runs). Decision 126
+    eval_in_place: bool = False
     # the syncer's read-only status page, JSON and Prometheus metrics (HOST:PORT, port 0: a
     # free one; "": off). Its URL is printed and written to <run>/status_url.
     http: str = "127.0.0.1:0"

@@ -8,6 +8,8 @@ data-parallel baseline (one replica fed the global batch) share it.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
 from copy import deepcopy
 from typing import Any
 
@@ -163,12 +165,17 @@ def uses_bf16(precision: str, device: torch.device) -> bool:
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+def evaluate(
+    model: nn.Module,
+    batches: list[tuple[torch.Tensor, torch.Tensor]],
+    hold: Callable[[], AbstractContextManager[Any]] = nullcontext,
+) -> float:
     """Mean cross-entropy (nats/token) over fixed evaluation batches, each run through the
     model in slices of at most ``EVAL_FORWARD_TOKENS`` tokens: an evaluation's activations
     stay a training step's size, whatever the evaluation set (16 x 512 tokens at once were
     ~0.4 GB of a gpt-50m syncer's peak, issue 28). Slicing rows changes nothing but the
-    order of the sums: each row's loss is its own."""
+    order of the sums: each row's loss is its own. Each slice's forward runs inside
+    ``hold()``: the syncer's in-place evaluation keeps merges out of a forward that way."""
     model.eval()
     device = next(model.parameters()).device
     total, count = 0.0, 0
@@ -176,7 +183,8 @@ def evaluate(model: nn.Module, batches: list[tuple[torch.Tensor, torch.Tensor]])
         rows = max(1, EVAL_FORWARD_TOKENS // max(1, x.shape[-1]))
         for i in range(0, len(x), rows):
             xs, ys = x[i : i + rows], y[i : i + rows]
-            _, loss = model(xs.to(device), ys.to(device))
+            with hold():
+                _, loss = model(xs.to(device), ys.to(device))
             assert loss is not None
             total += float(loss) * ys.numel()
             count += ys.numel()

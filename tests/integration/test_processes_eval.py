@@ -1,5 +1,7 @@
 """The syncer evaluates off its service loop: a large eval set stalls no merge and no beat,
-so no learner is given up and the ledger balances (it did not when evaluation ran inline)."""
+so no learner is given up and the ledger balances (it did not when evaluation ran inline).
+Run in place (decision 126): the merges go in between the evaluation's slices (every other
+processes test evaluates in the default copy)."""
 
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ def test_four_learners_with_a_large_eval_set_keep_the_ledger_balanced(tmp_path, 
             "train.tokens=60000",
             "train.eval_every=6000",
             "processes.max_wall_seconds=240.0",
+            "processes.eval_in_place=true",
         ],
     )
     done: dict[int, int] = {}
@@ -33,6 +36,10 @@ def test_four_learners_with_a_large_eval_set_keep_the_ledger_balanced(tmp_path, 
     assert not [r for r in records if r["kind"] == "detected"]  # nobody was given up
     evaluations = summary["evaluations"]
     assert evaluations["evals"] >= 1 and evaluations["eval_failed"] == 0
+    in_place = [r for r in records if r["kind"] == "eval" and "merged_during" in r]
+    assert len(in_place) == evaluations["evals"]  # (the final one is after the last merge)
+    assert all(r["tokens"] <= r["tokens_end"] for r in in_place)
+    assert sum(r["merged_during"] for r in in_place) > 0  # merges went on meanwhile
     assert summary["rounds"] > 0
     # what the learners trained is what the syncer counted, up to what a learner trains after
     # the syncer's budget is reached: its report in flight, the step it is in when the stop

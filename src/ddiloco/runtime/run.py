@@ -11,6 +11,7 @@ evaluation of the global fragments every runtime reports.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
@@ -120,13 +121,20 @@ class RunSetup:
             scatter(self.plan, p, params, values)
         return self.evaluate(model)
 
-    def evaluate(self, model: nn.Module, batches: Batches | None = None) -> float:
+    def evaluate(
+        self,
+        model: nn.Module,
+        batches: Batches | None = None,
+        hold: Callable[[], AbstractContextManager[Any]] | None = None,
+    ) -> float:
         """The run's evaluation of ``model`` on ``batches`` (default: the eval set): the
         user's ``train.evaluate`` (``function(model, batches) -> mean loss``) when named,
-        else ddiloco's (``model(inputs, targets) -> (logits, loss)``, nats per token)."""
+        else ddiloco's (``model(inputs, targets) -> (logits, loss)``, nats per token), each
+        slice's forward inside ``hold()`` when given (ddiloco's only: a user's evaluation
+        is one call)."""
         batches = self.eval_batches if batches is None else batches
         if not self.config.train.evaluate:
-            return evaluate(model, batches)
+            return evaluate(model, batches) if hold is None else evaluate(model, batches, hold)
         with torch.no_grad():
             loss = self.user_evaluation(model, batches)
         try:

@@ -180,7 +180,13 @@ class SyncerService:
         self.broadcast = Broadcast(self.plan, sync.codec.broadcast_spec(), self.send_rows)
         self.status = StatusBoard(run_id)
         self.actions = ActionGate(secret, self.config.processes)
-        self.evaluator = Evaluator(setup, events, on_eval=self.status.evaluated)
+        self.evaluator = Evaluator(
+            setup,
+            events,
+            on_eval=self.status.evaluated,
+            in_place=self.config.processes.eval_in_place,
+            tokens_now=lambda: self.tokens,
+        )
         self.checkpoints = checkpoint_writer(setup, Path(store_dir), run, self.tokens, secret)
         # what one step of a learner can hold, and how fast steps may be credited
         self.tokens_per_step = setup.tokens_per_step * self.config.processes.ranks
@@ -579,7 +585,9 @@ class SyncerService:
     # -- merging ----------------------------------------------------------------------------
     def poll(self) -> None:
         started = time.monotonic()
-        for result in self.syncer.poll(self.events.now()):
+        with self.evaluator.gate.writing():  # (an evaluation in place: between two slices)
+            results = self.syncer.poll(self.events.now())
+        for result in results:
             result.book(self.ledger)  # counted as (and when) it is made durable, next
             self.persist(result)
             live = sorted(self.syncer.live)
