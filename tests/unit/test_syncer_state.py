@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -294,3 +295,24 @@ def test_a_final_round_merges_without_pushing_momentum():
     assert len(results) == syncer.plan.num_fragments and syncer.finished
     assert {r.fraction for r in results} == {0.0}
     assert all(r.record(0)["fraction"] == 0.0 for r in results)
+
+
+def test_each_merge_and_only_a_merge_runs_inside_the_callers_writing_guard():
+    """The processes' syncer keeps an evaluation in place out of merges with this guard: a
+    poll that merges nothing must not enter it (it would wait for an evaluation's slice)."""
+    syncer, entered = _syncer(), []
+
+    @contextmanager
+    def writing():
+        entered.append(syncer.versions[p])
+        yield
+
+    syncer.join(0)
+    (rnd,) = syncer.on_progress(0, 1, now=0.0, step_seconds=1.0)
+    p = rnd.fragment
+    assert syncer.poll(now=0.05, writing=writing) == [] and entered == []  # nothing due
+    delta = [torch.full_like(t, 0.5) for t in syncer.fragments[p]]
+    meta = AnswerMeta(0, 0, 0, p, rnd.round_id, 0, 1, 1, 100)
+    assert syncer.on_answer(meta, delta, now=0.1) is Verdict.ACCEPTED
+    (result,) = syncer.poll(now=0.1, writing=writing)
+    assert entered == [0] and result.version == 1  # entered once, before the write

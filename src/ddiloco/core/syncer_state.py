@@ -13,8 +13,10 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Callable, Collection, Mapping, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from types import MappingProxyType
+from typing import Any
 
 import torch
 
@@ -392,15 +394,21 @@ class SyncerState:
                     self.ledger.wasted_answer(event.answer.key, event.verdict.value)
 
     # -- merging ----------------------------------------------------------------------------
-    def poll(self, now: float) -> list[MergeResult]:
+    def poll(
+        self, now: float, writing: Callable[[], AbstractContextManager[Any]] = nullcontext
+    ) -> list[MergeResult]:
         """Merge every round that is ready at ``now``; return the fragments to broadcast.
+        Each merge runs inside ``writing()`` (the processes' syncer keeps an evaluation that
+        reads the global values in place out of a merge that way; entered only when a round
+        merges).
 
         Call order: the caller books each result (:meth:`MergeResult.book`) before anyone
         hears of it: at once on the simulated clock; the processes' syncer books, writes it
         to disk, then broadcasts (docs/design.md §6.1)."""
         results = []
         for closed in self._policy.ready(now):
-            results.append(self._merge(closed))
+            with writing():
+                results.append(self._merge(closed))
         self._apply_events()
         return results
 

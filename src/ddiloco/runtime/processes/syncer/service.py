@@ -585,9 +585,8 @@ class SyncerService:
     # -- merging ----------------------------------------------------------------------------
     def poll(self) -> None:
         started = time.monotonic()
-        with self.evaluator.gate.writing():  # (an evaluation in place: between two slices)
-            results = self.syncer.poll(self.events.now())
-        for result in results:
+        # each merge between two slices of an evaluation in place (:mod:`.evaluator`)
+        for result in self.syncer.poll(self.events.now(), self.evaluator.gate.writing):
             result.book(self.ledger)  # counted as (and when) it is made durable, next
             self.persist(result)
             live = sorted(self.syncer.live)
