@@ -32,6 +32,7 @@ from typing import Any
 
 from ddiloco import train
 from ddiloco.config import load_config
+from ddiloco.report.summary import add_equal_time
 from quality import LADDER_MODELS, QUALITY, method_curve, method_dir, plot_ladder
 
 Run = tuple[str, list[str]]  # (label, --set overrides)
@@ -350,6 +351,14 @@ def run_one(
         elif only is None or method in only:
             config = load_config(None, [*overrides, f'methods=["{method}"]'])
             found.extend((s, own) for s in train(config, own, quiet=True))
+    # at equal time as in one run: every method at the first method's finishing time (each
+    # directory alone measured it at its own), unknown while the first has not run
+    summaries = [s for s, _ in found]
+    if summaries and summaries[0]["method"] == next(iter(split)):
+        add_equal_time(summaries, {s["method"]: eval_curve(d, s["method"]) for s, d in found})
+    else:
+        for s in summaries:
+            s["eval_loss_equal_time"] = None
     return found
 
 
