@@ -8,16 +8,29 @@ from typing import Any
 
 
 def stop_after_recovery(
-    launcher: Any, r: dict[str, Any], state: dict[str, Any], steps: int, learner: int = 0
+    launcher: Any,
+    r: dict[str, Any],
+    state: dict[str, Any],
+    steps: int,
+    learner: int = 0,
+    merged_again: bool = False,
 ) -> bool:
     """A hook's end: once ``learner``, killed (``state["killed"]``), has recovered, stop the
-    run after it trained ``steps`` steps more; True on the ``recovered`` record itself."""
+    run after it trained ``steps`` steps more; True on the ``recovered`` record itself. With
+    ``merged_again``, also after a round merged one of its answers since (on a loaded
+    machine its first answers can all come late), or 4 x ``steps`` steps at most."""
     if r["kind"] == "recovered" and r["learner"] == learner and "killed" in state:
         state["recovered"] = r
         return True
-    if "recovered" in state and r["kind"] == "step" and r["learner"] == learner:
+    if "recovered" not in state:
+        return False
+    if r["kind"] == "round" and r["weights"].get(str(learner)):
+        state["merged_again"] = True
+    if r["kind"] == "step" and r["learner"] == learner:
         state["after"] = state.get("after", 0) + 1
-        if state["after"] == steps:
+        waited = not merged_again or state.get("merged_again") or state["after"] >= 4 * steps
+        if state["after"] >= steps and waited and not state.get("stopped"):
+            state["stopped"] = True
             launcher.request_stop()
     return False
 
@@ -28,11 +41,13 @@ def kill_then_stop(
     steps: int = 40,
     rounds: int = 3,
     ready: Callable[[Any], bool] = lambda launcher: True,
+    merged_again: bool = False,
 ) -> tuple[Callable[[Any, dict[str, Any]], None], dict[str, Any]]:
     """A hook that SIGKILLs ``learner`` at one of its steps once ``rounds`` rounds merged (it
     has pushed answers; some may be on the wire) and ``ready(launcher)``, restarting it after
-    ``down`` s, then stops the run ``steps`` steps after its recovery; and the state it fills
-    (``killed``: the kill's time, ``recovered``: the record)."""
+    ``down`` s, then stops the run ``steps`` steps after its recovery (``merged_again``:
+    :func:`stop_after_recovery`); and the state it fills (``killed``: the kill's time,
+    ``recovered``: the record)."""
     state: dict[str, Any] = {"rounds": 0}
 
     def hook(launcher: Any, r: dict[str, Any]) -> None:
@@ -40,7 +55,7 @@ def kill_then_stop(
         due = state["rounds"] >= rounds and "killed" not in state and ready(launcher)
         if due and r["kind"] == "step" and r["learner"] == learner:
             state["killed"] = launcher.play_crash(learner, down_seconds=down)
-        stop_after_recovery(launcher, r, state, steps, learner)
+        stop_after_recovery(launcher, r, state, steps, learner, merged_again)
 
     return hook, state
 

@@ -96,7 +96,7 @@ def test_the_final_rounds_merge_what_every_learner_trained_since_its_last_answer
 def test_a_learner_killed_mid_run_recovers_from_a_peer_while_the_other_keeps_stepping(
     tmp_path, launch, apply
 ):
-    hook, state = kill_then_stop(1, down=0.5)
+    hook, state = kill_then_stop(1, down=0.5, merged_again=True)
     summary, records = launch(
         config("train.tokens=10000000", f"sync.apply='{apply}'"), tmp_path, hook
     )
