@@ -330,36 +330,46 @@ def slug(label: str) -> str:
     return "_".join(words)
 
 
+def read_summary(directory: Path, method: str) -> dict[str, Any]:
+    summary = json.loads((directory / "summary.json").read_text(encoding="utf-8"))
+    return summary["methods"][method]
+
+
 def run_one(
     overrides: list[str], directory: Path, reuse: bool, only: Sequence[str] | None
-) -> list[tuple[dict[str, Any], Path]]:
-    """(summary, directory) of each method of one run: read back with ``reuse``, else trained.
-    The run's methods train together in ``directory``, or one by one in their own directories
-    (:func:`quality.method_dir`) when ``only`` names some or an earlier invocation split it."""
+) -> list[dict[str, Any]]:
+    """The summary of each method of one run, its eval ``curve`` added: read back with
+    ``reuse``, else trained. The run's methods train together in ``directory``, or one by one
+    in their own directories (:func:`quality.method_dir`) when ``only`` names some or an
+    earlier invocation split it."""
     config = load_config(None, overrides)
+    first = config.methods[0]
     if reuse and (directory / "summary.json").exists():
-        summary = json.loads((directory / "summary.json").read_text(encoding="utf-8"))
-        return [(summary["methods"][m], directory) for m in config.methods]
-    split = {m: method_dir(directory, m) for m in config.methods}
-    if only is None and not any(d.exists() for d in split.values()):
-        return [(s, directory) for s in train(config, directory, quiet=True)]
-    found = []
-    for method, own in split.items():
-        if reuse and (own / "summary.json").exists():
-            summary = json.loads((own / "summary.json").read_text(encoding="utf-8"))
-            found.append((summary["methods"][method], own))
-        elif only is None or method in only:
-            config = load_config(None, [*overrides, f'methods=["{method}"]'])
-            found.extend((s, own) for s in train(config, own, quiet=True))
-    # at equal time as in one run: every method at the first method's finishing time (each
-    # directory alone measured it at its own), unknown while the first has not run
-    summaries = [s for s, _ in found]
-    if summaries and summaries[0]["method"] == next(iter(split)):
-        add_equal_time(summaries, {s["method"]: eval_curve(d, s["method"]) for s, d in found})
+        found = [(read_summary(directory, m), directory) for m in config.methods]
     else:
-        for s in summaries:
-            s["eval_loss_equal_time"] = None
-    return found
+        split = {m: method_dir(directory, m) for m in config.methods}
+        if only is None and not any(d.exists() for d in split.values()):
+            found = [(s, directory) for s in train(config, directory, quiet=True)]
+        else:
+            found = []
+            for method, own in split.items():
+                if reuse and (own / "summary.json").exists():
+                    found.append((read_summary(own, method), own))
+                elif only is None or method in only:
+                    config = load_config(None, [*overrides, f'methods=["{method}"]'])
+                    found.extend((s, own) for s in train(config, own, quiet=True))
+    for s, held in found:
+        s["curve"] = eval_curve(held, s["method"])
+    summaries = [s for s, _ in found]
+    if any(held != directory for _, held in found):  # split by method
+        # at equal time as in one run: every method at the first method's finishing time
+        # (each directory alone measured it at its own), unknown while the first has not run
+        if summaries[0]["method"] == first:
+            add_equal_time(summaries, {s["method"]: s["curve"] for s in summaries})
+        else:
+            for s in summaries:
+                s["eval_loss_equal_time"] = None
+    return summaries
 
 
 def run_all(
@@ -376,8 +386,8 @@ def run_all(
             for seed in seeds:
                 directory = out / name / f"{n}-{slug(label)}-s{seed}"
                 started = time.monotonic()
-                for s, held in run_one([*overrides, f"seed={seed}"], directory, reuse, only):
-                    s["seed"], s["curve"] = seed, eval_curve(held, s["method"])
+                for s in run_one([*overrides, f"seed={seed}"], directory, reuse, only):
+                    s["seed"] = seed
                     rows.setdefault((n, label, s["method"]), []).append(s)
                 print(
                     f"  {n:>9,} tokens  {label:<28} seed {seed}  "

@@ -11,7 +11,7 @@ evaluation of the global fragments every runtime reports.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any
@@ -125,16 +125,16 @@ class RunSetup:
         self,
         model: nn.Module,
         batches: Batches | None = None,
-        hold: Callable[[], AbstractContextManager[Any]] | None = None,
+        hold: Callable[[], AbstractContextManager[Any]] = nullcontext,
     ) -> float:
         """The run's evaluation of ``model`` on ``batches`` (default: the eval set): the
         user's ``train.evaluate`` (``function(model, batches) -> mean loss``) when named,
         else ddiloco's (``model(inputs, targets) -> (logits, loss)``, nats per token), each
-        slice's forward inside ``hold()`` when given (ddiloco's only: a user's evaluation
-        is one call)."""
+        slice's forward inside ``hold()`` (ddiloco's only: a user's evaluation is one
+        call)."""
         batches = self.eval_batches if batches is None else batches
         if not self.config.train.evaluate:
-            return evaluate(model, batches) if hold is None else evaluate(model, batches, hold)
+            return evaluate(model, batches, hold)
         with torch.no_grad():
             loss = self.user_evaluation(model, batches)
         try:

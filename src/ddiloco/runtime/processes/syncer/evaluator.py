@@ -28,7 +28,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -144,10 +144,8 @@ class Evaluator:
     def _run(self, model: torch.nn.Module, tokens: int) -> None:
         writes = self.gate.writes
         try:
-            if self.in_place:
-                loss = self.setup.evaluate(model, hold=self.gate.reading)
-            else:
-                loss = self.setup.evaluate(model)
+            hold = self.gate.reading if self.in_place else nullcontext
+            loss = self.setup.evaluate(model, hold=hold)
         except Exception as exc:
             self.counts["eval_failed"] += 1
             log.error(
