@@ -8,6 +8,7 @@ import math
 from ddiloco.report.metrics import kept_records
 from ddiloco.report.plots import (
     byte_series,
+    eval_tokens,
     learners_sent,
     outages,
     read_metrics,
@@ -98,3 +99,10 @@ def test_bytes_show_both_directions_of_every_method():
     }
     # real processes: the syncer counted them, so what learners sent is what it received
     assert learners_sent({"clock": "wall", "bytes_sent": 1, "bytes_received": 7}) == 7
+
+
+def test_an_in_place_evaluation_is_drawn_at_the_middle_of_the_tokens_it_spanned():
+    copy = {"kind": "eval", "tokens": 1000, "loss": 3.0}  # one global model exactly
+    in_place = {"kind": "eval", "tokens": 1000, "tokens_end": 5000, "merged_during": 3}
+    assert eval_tokens(copy) == 1000
+    assert eval_tokens(in_place) == 3000

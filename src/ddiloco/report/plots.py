@@ -77,6 +77,13 @@ def totals_of(run_dir: Path) -> dict[str, dict[str, Any]]:
         return {}
 
 
+def eval_tokens(record: dict[str, Any]) -> float:
+    """Where an evaluation belongs on the tokens axis: an in-place evaluation of the syncer
+    (``processes.eval_in_place``) read the global model while merges went on, from
+    ``tokens`` to ``tokens_end``; it is drawn at the middle of that span, not at its start."""
+    return (float(record["tokens"]) + float(record.get("tokens_end", record["tokens"]))) / 2
+
+
 def plot_eval(
     records: Iterable[dict[str, Any]],
     out: Path,
@@ -90,7 +97,7 @@ def plot_eval(
     fig, (ax_tokens, ax_time) = plt.subplots(1, 2, figsize=(11, 4))
     for method, rows in sorted(evals.items()):
         ax_tokens.plot(
-            [r["tokens"] for r in rows], [r["loss"] for r in rows], marker=".", label=method
+            [eval_tokens(r) for r in rows], [r["loss"] for r in rows], marker=".", label=method
         )
         ax_time.plot([r["t"] for r in rows], [r["loss"] for r in rows], marker=".", label=method)
     ax_tokens.set(xlabel="tokens trained (all learners)", ylabel="eval loss (nats/token)")
