@@ -9,6 +9,7 @@ import pytest
 from ddiloco.core.rounds import AnswerMeta
 from ddiloco.errors import ConfigError
 from ddiloco.runtime.processes import protocol
+from ddiloco.runtime.processes.syncer.answers import Answers
 from ddiloco.runtime.processes.syncer.service import SyncerService
 from ddiloco.runtime.processes.transport.wire import Limits, Wire
 
@@ -111,6 +112,11 @@ def test_a_malformed_field_is_refused_by_name(kind, meta, field):
 
 def test_the_syncer_handles_every_kind_a_learner_sends():
     # the syncer's handlers are its on_<kind> methods; a proof is the connections' own
-    syncer_kinds = {n.removeprefix("on_") for n in dir(SyncerService) if n.startswith("on_")}
+    syncer_kinds = {
+        n.removeprefix("on_")
+        for c in (SyncerService, Answers)
+        for n in dir(c)
+        if n.startswith("on_")
+    }
     assert set(protocol.FROM_LEARNER) - {"proof"} == syncer_kinds
     # (the link's own table: tests/unit/test_link.py)

@@ -14,6 +14,7 @@ from hypothesis import strategies as st
 
 from ddiloco.config import load_config
 from ddiloco.runtime.processes.launcher.fragments import free_port
+from ddiloco.runtime.processes.syncer.answers import Answers
 from ddiloco.runtime.processes.syncer.service import SyncerService
 from ddiloco.runtime.processes.transport.events import EVENT_PREFIX, Events
 from ddiloco.runtime.run import RunSetup
@@ -80,7 +81,12 @@ def service(tmp_path_factory):
 
 
 # every message kind the service has a handler for (on_<kind>): a new one is fuzzed here too
-KINDS = sorted(name.removeprefix("on_") for name in dir(SyncerService) if name.startswith("on_"))
+KINDS = sorted(
+    name.removeprefix("on_")
+    for cls in (SyncerService, Answers)
+    for name in dir(cls)
+    if name.startswith("on_")
+)
 
 
 def test_the_handler_table_is_every_on_method(service):

@@ -15,7 +15,8 @@ addressed to this syncer life. Its metadata is then parsed into its message clas
 field checked (:mod:`ddiloco.runtime.processes.protocol`, where every kind of both directions
 is defined); a malformed message is refused, counted and logged (rate-limited), never an
 exception out of the loop. Each handler ``on_<kind>(m, message, payload)`` takes the parsed
-message; a reply is ``self.send(m, protocol.<Kind>(...))``.
+message (an answer's handlers are :class:`.answers.Answers`', which owns an answer's way from
+the link to the core's verdict); a reply is ``self.send(m, protocol.<Kind>(...))``.
 
 Call order, per message: connections checks it -> :meth:`SyncerService.handle` notes the
 learner heard -> the handler feeds the core (a progress report is credited and counted in the
@@ -36,27 +37,25 @@ the elapsed time allows.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from ddiloco.config import RunConfig
-from ddiloco.core.codec import PackedTensors
 from ddiloco.core.credit import StepBudget
-from ddiloco.core.ledger import CRASH, INCOMPLETE, LEFT
-from ddiloco.core.parts import PartError
+from ddiloco.core.ledger import CRASH, LEFT
 from ddiloco.core.restart_ledger import RestartLedger
-from ddiloco.core.rounds import UNSOLICITED, AnswerMeta, Round, Verdict
+from ddiloco.core.rounds import Round
 from ddiloco.core.syncer_state import MergeResult, SyncerState
 from ddiloco.errors import ConfigError, DDiLoCoError
 from ddiloco.runtime.processes import protocol
 from ddiloco.runtime.processes.syncer.actions import ActionGate
+from ddiloco.runtime.processes.syncer.answers import Answers
 from ddiloco.runtime.processes.syncer.attendance import Attendance
 from ddiloco.runtime.processes.syncer.broadcast import Broadcast
 from ddiloco.runtime.processes.syncer.checkpoints import checkpoint_writer
@@ -64,7 +63,7 @@ from ddiloco.runtime.processes.syncer.claims import ahead_of_store
 from ddiloco.runtime.processes.syncer.connections import Connections, Incoming
 from ddiloco.runtime.processes.syncer.evaluator import Evaluator
 from ddiloco.runtime.processes.syncer.final_rounds import FinalRounds
-from ddiloco.runtime.processes.syncer.parts import AnswerParts, Head
+from ddiloco.runtime.processes.syncer.parts import AnswerParts
 from ddiloco.runtime.processes.syncer.restore import restore_service
 from ddiloco.runtime.processes.syncer.roster import Roster
 from ddiloco.runtime.processes.syncer.status import StatusBoard, StatusServer, snapshot_of
@@ -80,11 +79,7 @@ from ddiloco.runtime.processes.syncer.view import view_of
 from ddiloco.runtime.processes.transport.events import Events
 from ddiloco.runtime.processes.transport.ratelog import Throttle
 from ddiloco.runtime.processes.transport.tickets import TicketBook
-from ddiloco.runtime.processes.transport.wire import (
-    Limits,
-    WireError,
-    decode_update,
-)
+from ddiloco.runtime.processes.transport.wire import Limits
 from ddiloco.runtime.run import RunSetup
 
 log = logging.getLogger(__name__)
@@ -134,7 +129,6 @@ class SyncerService:
             schedule=setup.outer_schedule(),
             share_initial=True,  # the global values live in the reference model's parameters
         )
-        self.shapes = [[tuple(t.shape) for t in frag] for frag in self.syncer.fragments]
         self.store = SyncerStore(
             store_dir,
             journal=journal,
@@ -143,7 +137,7 @@ class SyncerService:
         )
         records = self.store.load()
         start = restore_service(self.syncer, self.ledger, records, self.store.ledger_state)
-        self.restored, self.tokens, self.applied = start.restored, start.tokens, start.applied
+        self.tokens, self.applied = start.tokens, start.applied
         if start.restored:
             events(
                 "restored",
@@ -151,7 +145,6 @@ class SyncerService:
                 global_step=start.step,
                 tokens=self.tokens,
             )
-        self.payloads: dict[tuple[int, int, int], bytes] = {}  # journal inputs, until merged
         self.limits = Limits(max_payload=max(64 << 20, 4 * self.plan.total_bytes))
         shm = self.config.processes.shared_memory
         # the connection tickets admitted, kept in the store: a restarted syncer refuses a
@@ -199,9 +192,22 @@ class SyncerService:
         self.roster = Roster()  # each learner slot: its life, address, budget, presence
         self.attendance = Attendance(sync.rounds.quorum, detect_seconds)
         self.bytes_received = 0
-        self.resent = Throttle(1.0)  # (learner, fragment): a fragment sent again
-        self.asked_again = Throttle(0.2)  # ... asked again in a final round
         self.rank_hellos = Throttle(1.0)  # (learner, rank): a rank link caught up
+        self.answers = Answers(
+            self.syncer,
+            self.ledger,
+            self.totals,
+            self.parts,
+            self.conn,
+            self.roster,
+            events,
+            send=self.send,
+            send_fragment=self.send_fragment,
+            count_tokens=self.count_tokens,
+            count_progress=self.count_progress,
+            journaled=self.store.journal_enabled,
+            restored=start.restored,
+        )
         self.next_eval = self.tokens
         self.last_beat = 0.0
         self.stop = stop or threading.Event()  # set (SIGTERM): end the run now, with a summary
@@ -211,9 +217,9 @@ class SyncerService:
             "inline": self.on_inline,
             "peers": self.on_peers,
             "progress": self.on_progress,
-            "answer": self.on_answer,
-            "answer_part": self.on_answer_part,
-            "part_hello": self.on_part_hello,
+            "answer": self.answers.on_answer,
+            "answer_part": self.answers.on_answer_part,
+            "part_hello": self.answers.on_part_hello,
             "bye": self.on_bye,
             "beat": self.on_beat,
         }
@@ -261,8 +267,7 @@ class SyncerService:
                 if msg is not None:
                     self.handle(msg)
         self.poll()
-        for dropped in self.parts.expire(self.events.now()):  # never merged half
-            self.incomplete(dropped.head)
+        self.answers.expire(self.events.now())  # a sharded answer never merges half
         self.actions.carry_out(self.send, self.events)  # the status page's requests
         now = self.events.now()
         if now - self.last_beat >= BEAT_SECONDS:
@@ -303,14 +308,12 @@ class SyncerService:
         sent it and for whom): heard from its learner, then its handler. On a sharded
         learner's rank link (rank >= 1) only its answer parts count; its liveness is its
         rank 0's."""
+        self.bytes_received += msg.payload.nbytes
         if msg.rank:
-            self.bytes_received += msg.payload.nbytes
             if msg.kind == protocol.PartHello.KIND:
                 self.rank_hello(msg)
-                return
-            whole = self.parts.receive(msg, self.conn.refuse)
-            if whole is not None:
-                self.take_answer(msg.learner, *whole, None)
+            else:
+                self.answers.take_part(msg)
             return
         self.attendance.heard(msg.learner, msg.at)
         self.dispatch(msg.learner, msg.kind, msg.meta, msg.payload)
@@ -407,7 +410,7 @@ class SyncerService:
         self.conn.inline.add(m)
         for p, version in enumerate(self.syncer.versions):
             if version > 0:  # (a throttled resend may have gone to the slots: not counted)
-                self.resent.ready((m, p))
+                self.answers.resent.ready((m, p))
                 self.counts["resent_fragment"] += 1
                 self.send_fragment([m], p, version, self.syncer.fragments[p], [])
 
@@ -451,114 +454,15 @@ class SyncerService:
         at = self.budget.step_of(m) or 0  # the credited step, not the claim
         if at < step or credited < tokens:
             self.counts["progress_capped"] += 1  # claimed more than it may be credited
-        self.tokens += self.ledger.reported(m, at, credited, rebased, self.syncer.versions, steps)
+        self.count_tokens(
+            self.ledger.reported(m, at, credited, rebased, self.syncer.versions, steps)
+        )
         return steps, at
 
-    def on_answer(self, m: int, message: protocol.Answer, payload: memoryview) -> None:
-        answer, totals = message.answer, message.totals
-        if answer.learner != m or self.roster.life(m) != answer.incarnation:
-            self.send(
-                m, protocol.Rehello()
-            )  # from a life this syncer has not registered: re-push later
-            return
-        answer.validate(self.plan.num_fragments)
-        overtaken = self.totals.overtaken(m, answer.incarnation, totals, answer.fragment)
-        caught_up = self.totals.caught_up(m, answer.incarnation, totals)
-        if caught_up[0] or caught_up[1]:  # reports it was sent after never came: count them
-            self.counts["progress_caught_up"] += 1
-            self.count_progress(m, answer.local_step, *caught_up)
-        if self.restored and answer.round_id >= self.syncer.next_round_id(answer.fragment):
-            # re-pushed for a round the previous life opened but never made durable: the
-            # answer itself is sound, so it joins the fragment's current or next round
-            answer = dataclasses.replace(answer, round_id=UNSOLICITED)
-            self.counts["forgotten_round"] += 1
-        self.bytes_received += payload.nbytes
-        head = Head(answer, overtaken)
-        try:
-            if message.ranks > 1:  # rank 0's part of a sharded learner's answer
-                whole = self.parts.add(answer.key, answer.fragment, 0, message.ranks, payload,
-                                       self.events.now(), head)  # fmt: skip
-                if whole is None and not self.parts.is_open(answer.key):
-                    if not self.syncer.has_seen(answer.key):  # (else a re-push: judged)
-                        self.verdict(m, answer, INCOMPLETE)  # dropped before its head came
-                    return
-                self.book(m, head)  # now, in order with its reports: not when its last part came
-                if whole is not None:
-                    self.take_answer(m, *whole, None)
-                return
-            delta = decode_update(payload, self.shapes[answer.fragment])
-        except WireError as exc:
-            self.counts[f"refused_{exc.reason}"] += 1
-            self.verdict(m, answer, "refused_" + exc.reason)
-            return
-        except PartError as exc:
-            self.conn.refuse("refused_part", m, f"rank 0's part: {exc}")
-            return
-        self.book(m, head)
-        self.take_answer(m, head, delta, payload)
-
-    def book(self, m: int, head: Head) -> None:
-        """Count an answer in the ledger as its learner's link delivered it (its head: a
-        sharded learner's answer is whole only when its last part comes on another link,
-        maybe after a report of a rebase sent after it); a re-push is not new work."""
-        answer = head.answer
-        if self.syncer.has_seen(answer.key) or self.ledger.is_open(answer.key):
-            return
-        before = self.ledger.trained_tokens  # (re-reported tokens a restart missed)
-        self.ledger.answered(
-            m, answer.fragment, answer.key, answer.c_tokens, answer.base_version, head.overtaken
-        )
-        self.tokens += self.ledger.trained_tokens - before
-
-    def take_answer(
-        self, m: int, head: Head, values: Sequence[torch.Tensor], payload: memoryview | None
-    ) -> None:
-        """A whole answer, counted in the ledger (:meth:`book`), judged by the core
-        (``payload``: as it came, None when put together from parts, whose ``values`` read
-        each tensor from its parts as they came); held until its round merges as it came."""
-        answer = head.answer
-        packed = None if payload is None else bytes(payload)  # (the frame's buffer is reused)
-        keep: Sequence[torch.Tensor] = values  # (parts: each tensor put together when read)
-        delta = list(values)  # decoded once, for the core's checks; dropped after
-        if packed is not None:
-            keep = PackedTensors(packed, expected_shapes=self.shapes[answer.fragment])
-        verdict = self.syncer.on_answer(answer, delta, self.events.now(), keep=keep)
-        if verdict in (Verdict.ACCEPTED, Verdict.WAITING):
-            if self.store.journal_enabled:
-                kept = self.parts.journal(delta) if packed is None else packed
-                self.payloads[answer.key] = kept
-        else:
-            self.verdict(m, answer, verdict.value)
-            if verdict in (Verdict.BASE_ALREADY_MERGED, Verdict.STALE):
-                self.resend(m, answer.fragment)
-                self.ask_again(m, answer.fragment)
-
-    def on_answer_part(self, m: int, part: protocol.AnswerPart, _: memoryview) -> None:
-        """A part on the learner's own link: rank 0's part is an ``answer``, the others come
-        on their ranks' links (:meth:`rank_link`)."""
-        self.conn.refuse("refused_part", m, f"rank {part.rank}'s part on learner {m}'s own link")
-
-    def on_part_hello(self, m: int, hello: protocol.PartHello, _: memoryview) -> None:
-        """A rank's hello on the learner's own link: it belongs on the rank's link."""
-        self.conn.refuse("refused_part", m, f"rank {hello.rank}'s hello on learner {m}'s own link")
-
-    def ask_again(self, m: int, p: int) -> None:
-        """A final round still owed an answer by ``m``, whose answer was on an old base: ask
-        again once the merged fragment has had time to arrive (at most every 0.2 s)."""
-        rnd = self.syncer.open_rounds.get(p)
-        if rnd is None or rnd.final_at is None or m not in rnd.asked - rnd.finally_answered:
-            return
-        if self.asked_again.ready((m, p)):
-            self.counts["asked_again"] += 1
-            self.ask(rnd, [m])
-
-    def resend(self, m: int, p: int) -> None:
-        """An answer on an old base: the learner may have missed a broadcast (dropped on the
-        way, or in a slot it could not read), and a learner that never hears of a merge keeps
-        answering on its old base. Send it the fragment again, at most once a second."""
-        if self.resent.ready((m, p)):
-            self.counts["resent_fragment"] += 1
-            self.send_fragment([m], p, self.syncer.versions[p], self.syncer.fragments[p], [])
+    def count_tokens(self, tokens: int) -> None:
+        """The run's tokens trained, as reported (a progress report, or an answer that
+        brought tokens no report did: :mod:`.answers`)."""
+        self.tokens += tokens
 
     def on_bye(self, m: int, bye: protocol.Bye, _: memoryview) -> None:
         self.account_uptime(self.events.now())
@@ -567,20 +471,6 @@ class SyncerService:
         self.roster.bye(m)
         self.update_beats()
         self.events("left", learner=m, why=bye.why)
-
-    def incomplete(self, head: Head | None) -> None:
-        """A sharded learner's answer dropped missing a part: wasted in the ledger (booked
-        when its head came) and rank 0 told (its other ranks were, :mod:`.parts`)."""
-        if head is None:  # rank 0's part never came: nothing was booked, no one to tell
-            return
-        if self.ledger.is_open(head.answer.key):
-            self.ledger.wasted_answer(head.answer.key, INCOMPLETE)
-        self.verdict(head.answer.learner, head.answer, INCOMPLETE)
-
-    def verdict(self, m: int, answer: AnswerMeta, verdict: str) -> None:
-        self.send(m, protocol.Verdict(answer.key, verdict), fragment=answer.fragment)
-        self.parts.judged(answer.key, verdict)  # (a sharded learner's other ranks too)
-        self.events("drop", learner=m, fragment=answer.fragment, verdict=verdict)
 
     # -- merging ----------------------------------------------------------------------------
     def poll(self) -> None:
@@ -600,11 +490,7 @@ class SyncerService:
                 (a.learner for a in result.round.answers), self.events.now()
             )
             self.events(**result.record(nbytes), tokens=self.tokens)  # (trained, as reported)
-        if self.payloads:
-            for key in [k for k in self.payloads if not self.syncer.is_held(k)]:
-                del self.payloads[key]  # superseded or dropped: never merged
-        for key in [k for k in self.parts.ranks if not self.syncer.is_held(k)]:
-            self.parts.judged(key, "superseded")  # (merged ones were told so above)
+        self.answers.settle()
 
     def persist(self, result: MergeResult) -> None:
         """Write the merge to disk before anyone hears of it (an acknowledged merge is
@@ -614,7 +500,7 @@ class SyncerService:
         self.applied[p].extend(a.key for a in answers)
         if self.store.journal_enabled:
             self.store.append_journal(
-                journal_header(result), [self.payloads.pop(a.key, b"") for a in answers]
+                journal_header(result), self.answers.journal([a.key for a in answers])
             )
         self.store.save(
             record_of(self.syncer, p, self.tokens, self.applied[p], self.ledger.to_state())
@@ -702,8 +588,7 @@ class SyncerService:
     def finish(self) -> dict[str, Any]:
         self.conn.stop_watching()  # (the learners are told to stop; the last steps are long)
         self.conn.handshakes.drain()
-        for dropped in self.parts.expire(self.events.now(), ended=True):  # can never complete
-            self.incomplete(dropped.head)
+        self.answers.expire(self.events.now(), ended=True)  # none can complete now
         now = self.events.now()
         self.account_uptime(now)
         for m in self.roster.registered():
