@@ -26,6 +26,7 @@ from typing import Any
 from ddiloco.commands.syncer import add_common
 from ddiloco.config import load_config
 from ddiloco.errors import require
+from ddiloco.runtime.processes.learner.options import LearnerOptions
 from ddiloco.runtime.processes.transport.events import Events
 from ddiloco.runtime.processes.transport.sockets import load_secret, parse_address
 
@@ -121,6 +122,16 @@ def run(args: argparse.Namespace) -> int:
     require(0 <= peer_port <= 65535, "--peer-port", peer_port, "must be in 0..65535 (0: any)")
     state_dir = Path(args.state_dir or f"runs/{config.name}-learner-{args.id}")
     t0 = args.t0 if args.t0 is not None else time.time()
+    options = LearnerOptions(
+        join=args.join,
+        resume=args.resume,
+        leave_after=args.leave_after,
+        max_steps=args.max_steps,
+        peer_host=args.peer_host,
+        peer_port=peer_port,
+        peer_bind=args.peer_bind,
+        state_dir=state_dir,
+    )
     if entry:
         from ddiloco.runtime.processes.learner.own_loop import run_entry
 
@@ -132,14 +143,7 @@ def run(args: argparse.Namespace) -> int:
             "secret_file": args.secret_file or "",
             "run_id": args.run_id or config.name,
             "method": args.method,
-            "join": int(args.join),
-            "resume": int(args.resume),
-            "state_dir": state_dir,
-            "peer_host": args.peer_host,
-            "peer_port": peer_port,
-            "peer_bind": args.peer_bind or "",
-            "leave_after": args.leave_after,
-            "max_steps": args.max_steps,
+            **options.env(),
             "t0": t0,
         }
         return run_entry(entry, env)
@@ -154,14 +158,7 @@ def run(args: argparse.Namespace) -> int:
         args.run_id or config.name,
         load_secret(args.secret_file),
         events,
-        join=args.join,
-        leave_after=args.leave_after,
-        peer_host=args.peer_host,
-        peer_port=peer_port,
-        peer_bind=args.peer_bind,
-        max_steps=args.max_steps,
-        state_dir=state_dir,
-        resume=args.resume,
+        options,
     )
     try:
         return process.run()

@@ -52,6 +52,7 @@ from ddiloco.runtime.processes.learner.local_checkpoint import (
     identity,
     load_latest,
 )
+from ddiloco.runtime.processes.learner.options import LearnerOptions
 from ddiloco.runtime.processes.learner.peer import SnapshotServer
 from ddiloco.runtime.processes.learner.peer_copy import Copied, copy_from_peers
 from ddiloco.runtime.processes.learner.ranks import Apply, RankGroup
@@ -127,16 +128,9 @@ class LearnerEngine:
         replica: Replica,
         ranks: RankGroup,
         leaving: threading.Event,
-        *,
-        join: bool = False,
-        leave_after: float = 0.0,
-        peer_host: str = "127.0.0.1",
-        peer_port: int = 0,
-        peer_bind: str | None = None,
-        max_steps: int = 0,
-        state_dir: Path | None = None,
-        resume: bool = False,
+        options: LearnerOptions | None = None,
     ) -> None:
+        options = options or LearnerOptions()
         config = setup.config
         self.setup = setup
         self.m = learner
@@ -146,10 +140,10 @@ class LearnerEngine:
         if not ranks.leader:  # only rank 0 speaks for the learner
             events = Events(events.t0, open(os.devnull, "w"))  # noqa: SIM115
         self.events = events
-        self.join = join
-        self.resume = resume
-        self.leave_after = leave_after
-        self.max_steps = max_steps
+        self.join = options.join
+        self.resume = options.resume
+        self.leave_after = options.leave_after
+        self.max_steps = options.max_steps
         self.run_id = run_id
         self.secret = secret
         # one life, one number on every rank: a sharded learner's ranks key their parts of
@@ -191,12 +185,12 @@ class LearnerEngine:
         # sharded learner serves its own rows (rank r on peer_port + r when one is fixed)
         serves = ranks.leader or self.sharded
         self.server = SnapshotServer(
-            peer_bind or peer_host,
+            options.peer_bind or options.peer_host,
             run_id,
             secret,
             learner,
-            port=peer_port + ranks.rank if peer_port and serves else 0,
-            advertise_host=peer_host,
+            port=options.peer_port + ranks.rank if options.peer_port and serves else 0,
+            advertise_host=options.peer_host,
         )
         self.serving = [self.server.address]  # every rank's server (filled by start)
         self.started = time.monotonic()
@@ -209,6 +203,7 @@ class LearnerEngine:
         self.idle_seconds = 0.0  # lock-step: time spent waiting for merged fragments
         self.last_seconds = 0.0  # the last step's duration
         self.in_sync = False  # every rank agreed on the parameters at the end
+        state_dir = options.state_dir
         every = config.processes.learner_checkpoint_every if state_dir is not None else 0.0
         self.saves = LocalCheckpoints(
             state_dir or Path("."),

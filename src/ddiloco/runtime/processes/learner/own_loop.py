@@ -45,6 +45,7 @@ from ddiloco.core.shards import shard_rows
 from ddiloco.errors import ConfigError, DDiLoCoError
 from ddiloco.imports import find_callable
 from ddiloco.report.progress import terminal_sink
+from ddiloco.runtime.processes.learner.options import LearnerOptions
 from ddiloco.runtime.processes.learner.ranks import RankGroup
 from ddiloco.runtime.processes.learner.sharded_engine import engine_for
 from ddiloco.runtime.processes.terminate import on_terminate
@@ -203,14 +204,16 @@ class Learner:
             self.replica,
             self.ranks,
             self.leaving,
-            join=_flag(where, "join"),
-            resume=_flag(where, "resume"),
-            leave_after=float(where.get("leave_after") or 0.0),
-            peer_host=str(where.get("peer_host") or "127.0.0.1"),
-            peer_port=_int(where, "peer_port", 0) or 0,
-            peer_bind=where.get("peer_bind") or None,
-            max_steps=_int(where, "max_steps", 0) or 0,
-            state_dir=Path(state_dir) if state_dir else None,
+            LearnerOptions(
+                join=_flag(where, "join"),
+                resume=_flag(where, "resume"),
+                leave_after=float(where.get("leave_after") or 0.0),
+                peer_host=str(where.get("peer_host") or "127.0.0.1"),
+                peer_port=_int(where, "peer_port", 0) or 0,
+                peer_bind=where.get("peer_bind") or None,
+                max_steps=_int(where, "max_steps", 0) or 0,
+                state_dir=Path(state_dir) if state_dir else None,
+            ),
         )
 
     # -- the call order ----------------------------------------------------------------------

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import threading
 import time
-from pathlib import Path
 
 import torch
 
 from ddiloco.data.corpus import BatchStream
+from ddiloco.runtime.processes.learner.options import LearnerOptions
 from ddiloco.runtime.processes.learner.ranks import RankGroup
 from ddiloco.runtime.processes.learner.sharded_engine import engine_for
 from ddiloco.runtime.processes.terminate import on_terminate
@@ -35,16 +35,9 @@ class LearnerProcess:
         run_id: str,
         secret: bytes,
         events: Events,
-        *,
-        join: bool = False,
-        leave_after: float = 0.0,
-        peer_host: str = "127.0.0.1",
-        peer_port: int = 0,
-        peer_bind: str | None = None,
-        max_steps: int = 0,
-        state_dir: Path | None = None,
-        resume: bool = False,
+        options: LearnerOptions | None = None,
     ) -> None:
+        options = options or LearnerOptions()
         config = setup.config
         torch.set_num_threads(config.processes.threads)
         self.leaving = threading.Event()  # SIGTERM: a clean leave (a rank's too: ranks.py)
@@ -68,14 +61,7 @@ class LearnerProcess:
             self.trainer,
             self.ranks,
             self.leaving,
-            join=join,
-            leave_after=leave_after,
-            peer_host=peer_host,
-            peer_port=peer_port,
-            peer_bind=peer_bind,
-            max_steps=max_steps,
-            state_dir=state_dir,
-            resume=resume,
+            options,
         )
 
     def run(self) -> int:

@@ -40,6 +40,7 @@ from ddiloco.runtime.processes.learner.local_checkpoint import (
     identity,
     load_save,
 )
+from ddiloco.runtime.processes.learner.options import LearnerOptions
 from ddiloco.runtime.processes.learner.part_link import PartLink
 from ddiloco.runtime.processes.learner.peer_copy import Copied
 from ddiloco.runtime.processes.learner.ranks import Apply, RankGroup
@@ -70,13 +71,13 @@ def engine_for(
     replica: Replica,
     ranks: RankGroup,
     leaving: threading.Event,
-    **options: Any,
+    options: LearnerOptions,
 ) -> LearnerEngine:
     """The engine for ``replica``: :class:`ShardedEngine` when its parameters are sharded
     over the learner's ranks (DTensors), else :class:`LearnerEngine`."""
     sharded = ranks.active and any(isinstance(p, DTensor) for p in replica.params().values())
     kind = ShardedEngine if sharded else LearnerEngine
-    return kind(setup, learner, syncer, run_id, secret, events, replica, ranks, leaving, **options)
+    return kind(setup, learner, syncer, run_id, secret, events, replica, ranks, leaving, options)
 
 
 class ShardedEngine(LearnerEngine):
@@ -84,8 +85,8 @@ class ShardedEngine(LearnerEngine):
 
     sharded = True
 
-    def __init__(self, setup: RunSetup, *args: Any, **options: Any) -> None:
-        super().__init__(setup, *args, **options)
+    def __init__(self, setup: RunSetup, *args: Any) -> None:
+        super().__init__(setup, *args)
         world, rank = self.ranks.world, self.ranks.rank
         self.shapes = local_plan(setup.plan, world, rank).shapes()  # what the syncer sends us
         self.link.inbox.shapes = self.shapes  # (rank 0's rows, on the learner's link)
