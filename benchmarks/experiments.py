@@ -8,6 +8,7 @@
         [--models gpt-1m gpt-4m gpt-12m]
     python benchmarks/experiments.py ladder | lr-sweep | outer | staleness | learners |
         compression [--tokens 20] [--seeds 0 1]    (benchmarks/quality.py: tokens per parameter)
+        [--knob-model gpt-1m]   (a knob experiment at another model: under <out>/<name>@<model>)
 
 Every run is an ordinary ``ddiloco train`` run (its directory lands under --out), so any row
 can be inspected, plotted or re-run. Runs are sequential: two torch processes on a 2-core
@@ -30,6 +31,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import quality
 from ddiloco import train
 from ddiloco.config import load_config
 from ddiloco.report.summary import add_equal_time
@@ -468,6 +470,11 @@ def main() -> None:
     ap.add_argument("--reuse", action="store_true", help="tabulate runs already under --out")
     ap.add_argument("--models", nargs="+", help="scaling, ladder: the models (default: all)")
     ap.add_argument(
+        "--knob-model",
+        help=f"the quality knob experiments' model (default {quality.KNOB_MODEL}); its runs "
+        "go under <out>/<experiment>-<model>",
+    )
+    ap.add_argument(
         "--methods",
         nargs="+",
         help="run only these methods, each in a directory of its own (<run>.<method>)",
@@ -476,12 +483,21 @@ def main() -> None:
     if args.models:
         SCALING_MODELS[:] = args.models
         LADDER_MODELS[:] = args.models
+    name = args.experiment
+    if args.knob_model and args.knob_model != quality.KNOB_MODEL:
+        if name not in QUALITY or name == "ladder":
+            knobs = sorted(set(QUALITY) - {"ladder"})
+            raise SystemExit(f"--knob-model: {name} is not a knob experiment ({knobs})")
+        quality.KNOB_MODEL = args.knob_model  # (read by the experiment's function when called)
+        name = f"{name}@{args.knob_model}"
+        EXPERIMENTS[name] = EXPERIMENTS[args.experiment]
+        for kinds in (PER_PARAM, LATE):
+            if args.experiment in kinds:
+                kinds.add(name)
     if args.tokens is None:
-        args.tokens = [20] if args.experiment in PER_PARAM else [1_000_000]
-    print(f"experiment {args.experiment}: tokens {args.tokens}, seeds {args.seeds}")
-    print(
-        run_all(args.experiment, args.tokens, args.seeds, Path(args.out), args.reuse, args.methods)
-    )
+        args.tokens = [20] if name in PER_PARAM else [1_000_000]
+    print(f"experiment {name}: tokens {args.tokens}, seeds {args.seeds}")
+    print(run_all(name, args.tokens, args.seeds, Path(args.out), args.reuse, args.methods))
 
 
 if __name__ == "__main__":

@@ -19,7 +19,9 @@ Each function here is one experiment of ``benchmarks/experiments.py`` whose ``--
     python benchmarks/experiments.py gap --tokens 20 --seeds 0 1
     python benchmarks/experiments.py merge-rule --tokens 20 --seeds 0 1
 
-What each table compares is said in its function's docstring; docs/results.md §12 holds the
+The knob experiments (all but ``ladder``) run at ``KNOB_MODEL``; ``--knob-model gpt-1m`` runs
+one at another model, under ``<out>/<experiment>@<model>``. What each table compares is said
+in its function's docstring; docs/results.md §12 holds the
 tables and the decisions they led to.
 """
 
