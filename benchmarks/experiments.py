@@ -341,13 +341,22 @@ def run_one(
     overrides: list[str], directory: Path, reuse: bool, only: Sequence[str] | None
 ) -> list[dict[str, Any]]:
     """The summary of each method of one run, its eval ``curve`` added: read back with
-    ``reuse``, else trained. The run's methods train together in ``directory``, or one by one
-    in their own directories (:func:`quality.method_dir`) when ``only`` names some or an
-    earlier invocation split it."""
+    ``reuse`` (a method not trained yet is left out and said: ``reuse`` never trains), else
+    trained. The run's methods train together in ``directory``, or one by one in their own
+    directories (:func:`quality.method_dir`) when ``only`` names some or an earlier
+    invocation split it."""
     config = load_config(None, overrides)
     first = config.methods[0]
     if reuse and (directory / "summary.json").exists():
         found = [(read_summary(directory, m), directory) for m in config.methods]
+    elif reuse:
+        found = []
+        for method in config.methods:
+            own = method_dir(directory, method)
+            if (own / "summary.json").exists():
+                found.append((read_summary(own, method), own))
+            else:
+                print(f"  (--reuse: {method} of {directory.name} not trained yet: left out)")
     else:
         split = {m: method_dir(directory, m) for m in config.methods}
         if only is None and not any(d.exists() for d in split.values()):
@@ -355,9 +364,7 @@ def run_one(
         else:
             found = []
             for method, own in split.items():
-                if reuse and (own / "summary.json").exists():
-                    found.append((read_summary(own, method), own))
-                elif only is None or method in only:
+                if only is None or method in only:
                     config = load_config(None, [*overrides, f'methods=["{method}"]'])
                     found.extend((s, own) for s in train(config, own, quiet=True))
     for s, held in found:
