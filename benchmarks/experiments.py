@@ -9,6 +9,7 @@
     python benchmarks/experiments.py ladder | lr-sweep | outer | staleness | learners |
         compression [--tokens 20] [--seeds 0 1]    (benchmarks/quality.py: tokens per parameter)
         [--knob-model gpt-1m]   (a knob experiment at another model: under <out>/<name>@<model>)
+        [--rows 'rda, outer lr 0.7']   (only the rows of these labels)
 
 Every run is an ordinary ``ddiloco train`` run (its directory lands under --out), so any row
 can be inspected, plotted or re-run. Runs are sequential: two torch processes on a 2-core
@@ -388,10 +389,15 @@ def run_all(
     out: Path,
     reuse: bool = False,
     only: Sequence[str] | None = None,
+    labels: Sequence[str] | None = None,
 ) -> str:
+    """Run (or with ``reuse`` read back) experiment ``name``'s rows (only those ``labels``
+    names, when given; ``only``: only these methods) and tabulate them."""
     rows: dict[tuple[int, str, str], list[dict[str, Any]]] = {}
     for n in tokens:
         for label, overrides in EXPERIMENTS[name](n):
+            if labels and label not in labels:
+                continue
             for seed in seeds:
                 directory = out / name / f"{n}-{slug(label)}-s{seed}"
                 started = time.monotonic()
@@ -479,8 +485,9 @@ def main() -> None:
     ap.add_argument(
         "--knob-model",
         help=f"the quality knob experiments' model (default {quality.KNOB_MODEL}); its runs "
-        "go under <out>/<experiment>-<model>",
+        "go under <out>/<experiment>@<model>",
     )
+    ap.add_argument("--rows", nargs="+", help="run only these rows (their labels, as tabled)")
     ap.add_argument(
         "--methods",
         nargs="+",
@@ -503,8 +510,12 @@ def main() -> None:
                 kinds.add(name)
     if args.tokens is None:
         args.tokens = [20] if name in PER_PARAM else [1_000_000]
+    known = [label for label, _ in EXPERIMENTS[name](args.tokens[0])]
+    if unknown := sorted(set(args.rows or ()) - set(known)):
+        raise SystemExit(f"--rows: {name} has no row {unknown}; its rows: {known}")
     print(f"experiment {name}: tokens {args.tokens}, seeds {args.seeds}")
-    print(run_all(name, args.tokens, args.seeds, Path(args.out), args.reuse, args.methods))
+    out = Path(args.out)
+    print(run_all(name, args.tokens, args.seeds, out, args.reuse, args.methods, args.rows))
 
 
 if __name__ == "__main__":

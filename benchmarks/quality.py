@@ -279,12 +279,13 @@ def gap(per_param: int) -> list[Run]:
 
 
 def merge_rule(per_param: int) -> list[Run]:
-    """RDA against the plain weighted mean at M = 4, each over outer learning rates (no
-    momentum): RDA keeps a learner's typical step length, the mean shrinks it as the
-    learners' deltas disagree, so their best rates differ."""
+    """RDA against the plain weighted mean at M = 4, each over outer learning rates (the
+    shipped warmed-up Nesterov momentum): RDA keeps a learner's typical step length, the mean
+    shrinks it as the learners' deltas disagree, so their best rates differ (RDA's 0.5 is the
+    shipped step)."""
     base = [*at_budget(KNOB_MODEL, per_param), "methods=['decoupled']", "chaos=[]"]
     runs = []
-    for rule, rates in (("rda", (0.7, 1.0, 1.3)), ("mean", (1.0, 1.5, 2.0))):
+    for rule, rates in (("rda", (0.3, 0.5, 0.7)), ("mean", (0.5, 0.7, 1.0))):
         for lr in rates:
             sets = [*base, f"sync.merge_rule='{rule}'", f"sync.outer.lr={lr}"]
             runs.append((f"{rule}, outer lr {lr}", sets))
