@@ -6,7 +6,7 @@
     python benchmarks/experiments.py apply [--seeds 0 1] [--tokens 500000]
     python benchmarks/experiments.py scaling [--seeds 0 1] [--tokens 250000 500000 1000000]
         [--models gpt-1m gpt-4m gpt-12m]
-    python benchmarks/experiments.py ladder | lr-sweep | outer | staleness | learners |
+    python benchmarks/experiments.py ladder | lr-sweep | outer | merge-rule | staleness | learners |
         compression [--tokens 20] [--seeds 0 1]    (benchmarks/quality.py: tokens per parameter)
         [--knob-model gpt-1m]   (a knob experiment at another model: under <out>/<name>@<model>)
         [--rows 'rda, outer lr 0.7']   (only the rows of these labels)
